@@ -1,0 +1,35 @@
+# make train: install and train the tutorial's job.  make test: everything, slow tests too.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/pip install --quiet --constraint constraints.txt
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: install dev train test test-fast lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+install: $(BIN)/python
+	$(PIP) -e '.[all]'
+
+dev: $(BIN)/python
+	$(PIP) -e '.[dev]'
+
+train: install
+	$(BIN)/ddptrain train
+
+test: dev lint
+	$(BIN)/pytest -q tests
+
+test-fast: dev
+	$(BIN)/pytest -q -m "not slow" tests
+
+lint: dev
+	$(BIN)/ruff check src tests examples benchmarks
+
+bench: install
+	$(BIN)/ddptrain bench
+
+clean:
+	rm -rf $(VENV) runs src/*.egg-info

@@ -1,0 +1,56 @@
+"""Starting local ranks through torch's elastic launcher (the engine under torchrun).
+
+No home-made process manager: restarts (``--max-restarts``), fail-fast (one failed rank
+stops the others) and per-rank error reports come from ``torch.distributed.launcher``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from .config import RunConfig
+from .dist import cuda_count
+from .preemption import PREEMPTED_EXIT_CODE
+from .worker import exit_for, run_rank
+
+
+def auto_nproc(device: str) -> int:
+    """One rank per GPU; without GPUs (or with --device cpu), 2 CPU ranks."""
+    gpus = cuda_count() if device != "cpu" else 0
+    return gpus if gpus > 0 else 2
+
+
+def start_method(device_kind: str) -> str:
+    # fork reuses this process's imported torch (~2.5 s saved per rank); CUDA cannot survive
+    # a fork, so GPU runs spawn (this process never initialises CUDA either way).
+    return "spawn" if device_kind == "cuda" else "fork"
+
+
+def launch_local(cfg: RunConfig, nproc: int, device_kind: str) -> int:
+    """Run ``nproc`` ranks on this machine and return the exit status for the command."""
+    # A restarted rank must not reuse the previous attempt's store (gloo connectFullMesh
+    # failures, pytorch/pytorch#135712); measured here: 5 of 5 restarts work with this.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = os.environ.get("MASTER_PORT", "0")  # 0: the OS picks a free port, no clashes
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}", local_addr=addr,
+        max_restarts=cfg.max_restarts, monitor_interval=0.1, start_method=start_method(device_kind),
+    )
+    try:
+        outcomes = elastic_launch(config, run_rank)(cfg)
+    except ChildFailedError as failure:
+        print(str(failure), file=sys.stderr, flush=True)
+        return 1
+    except SignalException as stop:
+        print(f"ddptrain: stopped by {stop.sigval.name}; the ranks saved a snapshot if they "
+              f"reached a step boundary; run the same command to resume", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
+    return exit_for(outcomes[0], is_main=True)

@@ -1,0 +1,172 @@
+"""What a run tells people: rank 0's console lines, progress bar, metrics.jsonl, TensorBoard,
+the curves plot and the final summary. Other ranks get a Reporter that does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import RunConfig
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    return str(value)
+
+
+class Reporter:
+    """Rank 0's reporting. ``enabled=False`` (other ranks) makes every method a no-op."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, enabled: bool) -> None:
+        self.cfg, self.run_dir, self.enabled = cfg, Path(run_dir), enabled
+        self.bar: Any = None
+        self.tb: Any = None
+        self.started = time.perf_counter()
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(cfg.to_json() + "\n")
+        if cfg.tensorboard:
+            self.tb = _tensorboard_writer(self.run_dir)
+
+    def truncate_after(self, global_step: int) -> None:
+        """On resume: forget metrics logged after the snapshot, they will be logged again."""
+        if not self.enabled:
+            return
+        kept = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= global_step]
+        (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            self._write(message)
+
+    def _write(self, message: str) -> None:
+        if self.bar is not None:
+            self.bar.write(message, file=sys.stderr)
+        else:
+            print(message, flush=True)
+
+    # --- progress bar ------------------------------------------------------------------------
+    def epoch_started(self, epoch: int, steps: int, done: int) -> None:
+        show = self.cfg.progress if self.cfg.progress is not None else sys.stderr.isatty()
+        if not (self.enabled and show):
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self.bar = tqdm(total=steps, initial=done, desc=f"epoch {epoch}", unit="step",
+                        leave=False, dynamic_ncols=True, file=sys.stderr)
+
+    def step_done(self, loss: Any = None) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(1)
+        if loss is not None:  # read only every few steps: a read synchronises with the device
+            self.bar.set_postfix(loss=f"{float(loss):.4g}", refresh=False)
+
+    def epoch_finished(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    # --- records -------------------------------------------------------------------------------
+    def log(self, record: dict[str, Any]) -> None:
+        """One line of metrics.jsonl, a console line, and TensorBoard scalars."""
+        if not self.enabled:
+            return
+        with open(self.run_dir / "metrics.jsonl", "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        shown = "  ".join(f"{k} {_fmt(v)}" for k, v in record.items() if k not in ("kind",))
+        self._write(shown)
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key not in ("epoch", "step"):
+                    self.tb.add_scalar(key, value, record["step"])
+            self.tb.flush()
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if self.tb is not None:
+            self.tb.close()
+        self._write(format_summary(summary))
+        note = plot_curves(self.run_dir)
+        if note:
+            self._write(note)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    width = max(len(k) for k in summary)
+    lines = ["summary"] + [f"  {k.ljust(width)}  {_fmt(v)}" for k, v in summary.items()]
+    return "\n".join(lines)
+
+
+def _tensorboard_writer(run_dir: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print("--tensorboard: the tensorboard package is not installed "
+              "(pip install 'ddptrain[tensorboard]'); continuing without it", flush=True)
+        return None
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+
+def plot_curves(run_dir: Path) -> str | None:
+    """Draw ``curves.png`` from metrics.jsonl; a one-line note instead if matplotlib is absent."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "curves.png not drawn: matplotlib is not installed (pip install 'ddptrain[plot]')"
+    records = [r for r in read_metrics(run_dir) if r.get("kind") == "epoch"]
+    if not records:
+        return None
+    panels = [("loss", ["train_loss", "eval_loss"])]
+    extra = sorted({k for r in records for k in r if k.startswith("eval_") and k != "eval_loss"
+                    and k != "eval_samples"})
+    panels += [(k.removeprefix("eval_"), [k]) for k in extra]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for ax, (title, keys) in zip(axes[0], panels):
+        for key in keys:
+            points = [(r["epoch"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=key)
+        ax.set_title(title)
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(run_dir / "curves.png", dpi=110)
+    plt.close(fig)
+    return None
+
+
+def summarize(run_dir: Path) -> dict[str, Any]:
+    """The final summary, rebuilt from metrics.jsonl (``ddptrain report``)."""
+    records = read_metrics(run_dir)
+    epochs = [r for r in records if r.get("kind") == "epoch"]
+    if not epochs:
+        return {}
+    last = epochs[-1]
+    summary: dict[str, Any] = {"epochs": last["epoch"] + 1, "steps": last["step"],
+                               "wall_time_s": round(sum(r.get("epoch_time_s", 0.0) for r in epochs), 2)}
+    rates = [r["samples_per_s"] for r in epochs if r.get("samples_per_s")]
+    if rates:
+        summary["samples_per_s"] = round(sum(rates) / len(rates), 1)
+    summary.update({k: v for k, v in last.items() if k == "train_loss" or k.startswith("eval_")})
+    return summary

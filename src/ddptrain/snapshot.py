@@ -1,0 +1,170 @@
+"""Snapshots: atomic writes, validated loads, rotation. No snapshot is lost or half-written.
+
+A snapshot is written to a hidden temporary file in the same folder, flushed, fsynced,
+renamed over its final name with ``os.replace`` (atomic on POSIX), and the folder is fsynced
+so the rename survives a power cut. Only then are snapshots beyond ``--keep`` removed.
+Loading never unpickles code (``weights_only=True``) and checks the schema; a broken newest
+file is skipped with a warning in favour of the previous complete one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ConfigError
+
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^step-(\d{9})\.pt$")
+REQUIRED = {
+    "format_version": int, "model": dict, "optimizer": dict, "epoch": int, "step_in_epoch": int,
+    "global_step": int, "world_size": int, "batch_size": int, "global_batch": int,
+    "fingerprint": dict, "rng": list,
+}
+
+
+class SnapshotError(ConfigError):
+    """A snapshot cannot be used: one line naming the file and the problem."""
+
+
+def snapshot_dir(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / "snapshots"
+
+
+def snapshot_name(global_step: int) -> str:
+    return f"step-{global_step:09d}.pt"
+
+
+def list_snapshots(directory: Path) -> list[Path]:
+    """Complete snapshots, oldest first. Temporary files (``.*.tmp``) never appear here."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if _NAME.match(p.name)]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))  # type: ignore[union-attr]
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save`` that leaves either the old file or the complete new one, never a part."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as handle:
+            torch.save(obj, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_snapshot(state: dict[str, Any], directory: Path, keep: int) -> Path:
+    """Commit ``state`` as the newest snapshot, then rotate. Call on one rank only."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob(".*.tmp"):  # left by a writer that was killed
+        stale.unlink(missing_ok=True)
+    path = directory / snapshot_name(state["global_step"])
+    atomic_save(state, path)
+    for old in list_snapshots(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def load_snapshot(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load and validate one snapshot; SnapshotError (one line) when it cannot be used."""
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as error:  # truncated, empty, not a zip, or a pickle weights_only refuses
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise SnapshotError(f"snapshot {path} cannot be read ({first_line[:200]})") from None
+    if not isinstance(state, dict):
+        raise SnapshotError(f"snapshot {path} is not a ddptrain snapshot (holds {type(state).__name__})")
+    for key, kind in REQUIRED.items():
+        if not isinstance(state.get(key), kind):
+            raise SnapshotError(f"snapshot {path} is not a ddptrain snapshot (field {key!r} "
+                                f"missing or not {kind.__name__})")
+    if state["format_version"] != FORMAT_VERSION:
+        raise SnapshotError(f"snapshot {path} has format version {state['format_version']}; "
+                            f"this ddptrain reads version {FORMAT_VERSION}")
+    return state
+
+
+def load_newest(directory: Path, map_location: str | torch.device = "cpu"
+                ) -> tuple[Path, dict[str, Any]] | None:
+    """The newest snapshot that loads; broken ones are skipped with a warning naming them."""
+    candidates = list_snapshots(directory)
+    for path in reversed(candidates):
+        try:
+            return path, load_snapshot(path, map_location)
+        except SnapshotError as error:
+            warnings.warn(f"{error}; trying the previous snapshot", stacklevel=2)
+    if candidates:
+        raise SnapshotError(f"no usable snapshot in {directory} ({len(candidates)} found, all "
+                            "unreadable); start afresh with --resume never or another --run-dir")
+    return None
+
+
+def check_model_matches(model: torch.nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
+    """Name the first mismatch between the model and a snapshot's weights."""
+    current = model.state_dict()
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    if missing or unexpected:
+        raise SnapshotError(f"snapshot {path} holds another model: missing keys {missing[:3]}, "
+                            f"unexpected keys {unexpected[:3]}; use --resume never or another --run-dir")
+    for key, tensor in current.items():
+        if tuple(saved[key].shape) != tuple(tensor.shape):
+            raise SnapshotError(f"snapshot {path} holds another model: {key} has shape "
+                                f"{tuple(saved[key].shape)}, the model {tuple(tensor.shape)}")
+
+
+def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    """Settings that change the math must match, or the resume would not be exact."""
+    changed = [f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in current if saved.get(k) != current[k]]
+    if changed:
+        raise SnapshotError(f"snapshot {path} was taken with other settings ({'; '.join(changed)}); "
+                            "use the original flags, or --resume never / another --run-dir")
+
+
+def capture_rng() -> dict[str, Any]:
+    """This rank's random states, in types ``weights_only`` loading accepts."""
+    import random
+
+    import numpy as np
+
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": {"kind": np_kind, "keys": torch.from_numpy(np_keys.astype(np.int64)),
+                  "pos": int(np_pos), "has_gauss": int(np_has_gauss), "gauss": float(np_gauss)},
+    }
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"].cpu())
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np_state = state["numpy"]
+    np.random.set_state((np_state["kind"], np_state["keys"].numpy().astype(np.uint32),
+                         np_state["pos"], np_state["has_gauss"], np_state["gauss"]))

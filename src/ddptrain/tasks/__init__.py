@@ -1,0 +1,64 @@
+"""Tasks: what to train. A task factory takes the resolved RunConfig and returns a Task.
+
+Built-ins are ``regression`` (the tutorial's job) and ``digits`` (a real data set);
+``--task MODULE:FUNC`` loads a factory of your own with the same signature.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+from ..config import ConfigError, RunConfig
+from .protocol import Task, TaskFactory
+
+__all__ = ["Task", "TaskFactory", "build", "resolve_factory", "BUILTIN"]
+
+
+def _regression(cfg: RunConfig) -> Task:
+    from .regression import regression_task
+    return regression_task(cfg)
+
+
+def _digits(cfg: RunConfig) -> Task:
+    from .digits import digits_task
+    return digits_task(cfg)
+
+
+BUILTIN: dict[str, TaskFactory] = {"regression": _regression, "digits": _digits}
+
+
+def resolve_factory(name: str) -> TaskFactory:
+    """The factory for ``--task``; ConfigError (one line) when it cannot be found."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if ":" not in name:
+        raise ConfigError(f"--task {name}: unknown task; use one of {', '.join(BUILTIN)} "
+                          "or MODULE:FUNC for a factory of your own")
+    module_name, func_name = name.split(":", 1)
+    if os.getcwd() not in sys.path:  # like `python -m`, find modules in the current folder
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigError(f"--task {name}: cannot import {module_name!r} ({error}); "
+                          "is it on PYTHONPATH or in the current folder?") from None
+    factory = getattr(module, func_name, None)
+    if not callable(factory):
+        raise ConfigError(f"--task {name}: module {module_name!r} has no function {func_name!r}")
+    return factory
+
+
+def build(cfg: RunConfig, factory: Callable[[RunConfig], Task] | None = None) -> Task:
+    """Build the task on this rank. Seeded so every rank gets the same weights and data."""
+    factory = factory or resolve_factory(cfg.task)
+    torch.manual_seed(cfg.seed)
+    task = factory(cfg)
+    if not isinstance(task, Task):
+        raise ConfigError(f"--task {cfg.task}: the factory returned {type(task).__name__}, "
+                          "not a ddptrain.Task")
+    return task
