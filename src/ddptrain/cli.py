@@ -49,12 +49,15 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                                 default=default, choices=meta.get("choices"), help=help_text)
 
 
+_KIND_NAMES = {int: "a whole number", float: "a number", str: "text"}
+
+
 def _typed(kind: type, flag: str) -> Any:
     def convert(text: str) -> Any:
         try:
             return kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} needs a {kind.__name__}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"{flag} needs {_KIND_NAMES[kind]}, got {text!r}") from None
     convert.__name__ = kind.__name__
     return convert
 
@@ -132,7 +135,11 @@ COMMANDS = {"train": train, "env": env_command, "report": report, "bench": bench
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported by the subcommand, whose --help lists its flags
+        parser.exit(2, f"ddptrain {args.command}: error: unrecognized arguments: "
+                       f"{' '.join(unknown)} (see ddptrain {args.command} --help)\n")
     try:
         return COMMANDS[args.command](args)
     except ConfigError as error:

@@ -44,6 +44,9 @@ def launch_local(cfg: RunConfig, nproc: int, device_kind: str) -> int:
         rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}", local_addr=addr,
         max_restarts=cfg.max_restarts, monitor_interval=0.1, start_method=start_method(device_kind),
     )
+    if config.start_method == "fork":
+        # DDP's constructor imports torch._dynamo (~2 s); done once here, forked ranks share it.
+        import torch._dynamo  # noqa: F401
     try:
         outcomes = elastic_launch(config, run_rank)(cfg)
     except ChildFailedError as failure:

@@ -90,8 +90,7 @@ class Reporter:
             return
         with open(self.run_dir / "metrics.jsonl", "a") as handle:
             handle.write(json.dumps(record) + "\n")
-        shown = "  ".join(f"{k} {_fmt(v)}" for k, v in record.items() if k not in ("kind",))
-        self._write(shown)
+        self._write(console_line(record))
         if self.tb is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key not in ("epoch", "step"):
@@ -107,6 +106,19 @@ class Reporter:
         note = plot_curves(self.run_dir)
         if note:
             self._write(note)
+
+
+def console_line(record: dict[str, Any]) -> str:
+    """``epoch 3 | step 128 | train_loss 1.962 | lr 0.001 | 13,930 samples/s | 0.15 s``."""
+    parts = [f"epoch {record['epoch']}", f"step {record['step']}"]
+    for key, value in record.items():
+        if key == "train_loss" or key == "lr" or (key.startswith("eval_") and key != "eval_samples"):
+            parts.append(f"{key} {_fmt(value)}")
+    if record.get("samples_per_s"):
+        parts.append(f"{record['samples_per_s']:,.0f} samples/s")
+    if "epoch_time_s" in record:
+        parts.append(f"{record['epoch_time_s']:.2f} s")
+    return " | ".join(parts)
 
 
 def format_summary(summary: dict[str, Any]) -> str:

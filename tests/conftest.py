@@ -1,0 +1,72 @@
+"""Shared fixtures: real subprocesses, real process groups, no leaked environment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS = Path(__file__).parent
+REPO = TESTS.parent
+BIN = Path(sys.executable).parent
+
+# Ranks share 2 cores: one thread each, and the helper tasks importable by every rank.
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(TESTS / "helpers"), os.environ.get("PYTHONPATH", "")) if p)
+sys.path.insert(0, str(TESTS / "helpers"))
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_environment():
+    """A test that changes os.environ for the tests after it fails."""
+    before = dict(os.environ)
+    yield
+    after = dict(os.environ)
+    changed = sorted(k for k in set(before) | set(after)
+                     if before.get(k) != after.get(k) and k != "PYTEST_CURRENT_TEST")
+    os.environ.clear()
+    os.environ.update(before)
+    assert not changed, f"test leaked environment variables: {changed}"
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any launcher's variables, plus ``extra``."""
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("SLURM_")}
+    env.update(extra)
+    return env
+
+
+def run(args: list[str], timeout: float = 180, env: dict[str, str] | None = None,
+        cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a command to completion (a test fails, never hangs, past ``timeout``)."""
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+                          env=env or clean_env(), cwd=cwd, stdin=subprocess.DEVNULL)
+
+
+def ddptrain(*args: str, timeout: float = 180, env: dict[str, str] | None = None,
+             cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return run([str(BIN / "ddptrain"), *args], timeout=timeout, env=env, cwd=cwd)
+
+
+def load_model(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(Path(run_dir) / "model.pt", weights_only=True)
+
+
+def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: bool = False) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if exact:
+            assert torch.equal(a[key], b[key]), f"{key} differs"
+        else:
+            torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=f"{key} differs")

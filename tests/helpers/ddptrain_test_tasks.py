@@ -1,0 +1,88 @@
+"""Task factories the tests pass as ``--task ddptrain_test_tasks:FUNC``.
+
+They run inside real ranks; tests steer them with environment variables (inherited by every
+rank). None of them replaces a part of torch.distributed: they only fail, record or kill.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+from ddptrain import Task
+from ddptrain.tasks.regression import regression_task
+
+
+def _step_counter(loss_fn, on_step):
+    """Wrap a loss so ``on_step(step)`` runs before each step's loss (step counts from 1)."""
+    calls = {"n": 0}
+
+    def wrapped(output, target):
+        calls["n"] += 1
+        on_step(calls["n"])
+        return loss_fn(output, target)
+    return wrapped
+
+
+def fail_on_rank(cfg) -> Task:
+    """Rank FAIL_RANK raises at step FAIL_STEP."""
+    task = regression_task(cfg)
+    rank, step = int(os.environ["FAIL_RANK"]), int(os.environ["FAIL_STEP"])
+
+    def maybe_fail(n: int) -> None:
+        if n == step and int(os.environ["RANK"]) == rank:
+            raise RuntimeError(f"deliberate failure on rank {rank} at step {step}")
+    task.loss_fn = _step_counter(task.loss_fn, maybe_fail)
+    return task
+
+
+def recording(cfg) -> Task:
+    """Feature 0 of every sample is its index; each rank appends what it trains on to a file."""
+    samples = int(os.environ.get("RECORD_SAMPLES", "200"))
+    inputs = torch.zeros(samples, 4)
+    inputs[:, 0] = torch.arange(samples, dtype=torch.float32)
+    targets = torch.zeros(samples, 1)
+    out = Path(os.environ["RECORD_DIR"])
+
+    def loss(output, target, inputs_seen=None):
+        return F.mse_loss(output, target)
+
+    model = _Recorder(out)
+    return Task(model=model, train_set=TensorDataset(inputs, targets), loss_fn=loss)
+
+
+class _Recorder(torch.nn.Module):
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+        self.out = out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with open(self.out / f"rank-{os.environ['RANK']}.jsonl", "a") as handle:
+            handle.write(json.dumps(x[:, 0].long().tolist()) + "\n")
+        return self.linear(x)
+
+
+def kill_at_step(cfg) -> Task:
+    """On the first attempt only, rank KILL_RANK SIGKILLs itself at step KILL_STEP."""
+    task = regression_task(cfg)
+    rank, step = int(os.environ["KILL_RANK"]), int(os.environ["KILL_STEP"])
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    marker = Path(os.environ["KILL_MARKER"])
+
+    def maybe_kill(n: int) -> None:
+        if first_attempt and n == step and int(os.environ["RANK"]) == rank and not marker.exists():
+            marker.write_text("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
+    task.loss_fn = _step_counter(task.loss_fn, maybe_kill)
+    return task
+
+
+def not_a_task(cfg):
+    return "not a task"

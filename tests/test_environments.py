@@ -1,0 +1,73 @@
+"""Launcher detection from environment dicts (no process needed)."""
+
+import pytest
+
+from ddptrain.environments import (
+    LocalEnvironment,
+    SlurmEnvironment,
+    TorchrunEnvironment,
+    detect,
+    expand_hostlist,
+    expand_tasks_per_node,
+)
+
+TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+SLURM = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "1",
+         "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08,10]", "SLURM_JOB_ID": "4242",
+         "SLURM_TASKS_PER_NODE": "4(x2)"}
+
+
+def test_no_launcher_is_local():
+    env = detect({})
+    assert isinstance(env, LocalEnvironment)
+    assert (env.rank, env.world_size) == (0, 1)
+
+
+def test_torchrun_variables():
+    env = detect(TORCHRUN)
+    assert isinstance(env, TorchrunEnvironment)
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 1, 2)
+    assert (env.master_addr, env.master_port) == ("node0", 29500)
+
+
+def test_legacy_local_rank_argument_when_variable_missing():
+    values = {k: v for k, v in TORCHRUN.items() if k != "LOCAL_RANK"}
+    assert detect(values, local_rank_arg=1).local_rank == 1
+
+
+def test_slurm_variables():
+    env = detect(SLURM)
+    assert isinstance(env, SlurmEnvironment)
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
+    assert env.master_addr == "gpu07"
+    assert env.master_port == 15000 + 4242 % 20000
+
+
+def test_slurm_batch_script_without_srun_is_not_a_rank():
+    batch_step = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_NUM_TASKS"}
+    assert isinstance(detect(batch_step), LocalEnvironment)
+
+
+def test_torchrun_inside_slurm_wins():
+    assert isinstance(detect({**SLURM, **TORCHRUN}), TorchrunEnvironment)
+
+
+def test_slurm_master_from_environment_when_set():
+    env = SlurmEnvironment({**SLURM, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+    assert (env.master_addr, env.master_port) == ("10.0.0.1", 1234)
+
+
+@pytest.mark.parametrize("text,hosts", [
+    ("node1", ["node1"]),
+    ("gpu[01-04,07]", ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07"]),
+    ("a[1-2],b3,c[09-11]", ["a1", "a2", "b3", "c09", "c10", "c11"]),
+    ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+    ("x-[8-9]y", ["x-8y", "x-9y"]),
+])
+def test_expand_hostlist(text, hosts):
+    assert expand_hostlist(text) == hosts
+
+
+def test_expand_tasks_per_node():
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
