@@ -38,15 +38,16 @@ def test_start_skips_exactly_the_consumed_samples():
 def test_global_batch_is_the_same_slice_for_any_world_size():
     """Union of the ranks' t-th batches: same samples for 1, 2 or 4 ranks at global batch 8."""
     data = TensorDataset(torch.zeros(64, 1))
+    def batches(world, epoch):
+        per_rank = [ResumableDistributedSampler(data, world, r, 0) for r in range(world)]
+        for s in per_rank:
+            s.set_epoch(epoch)
+        orders = [list(s) for s in per_rank]
+        b = 8 // world
+        return [sorted(sum((o[t * b:(t + 1) * b] for o in orders), [])) for t in range(8)]
+
     for epoch in (0, 1):
-        def batches(world):
-            per_rank = [ResumableDistributedSampler(data, world, r, 0) for r in range(world)]
-            for s in per_rank:
-                s.set_epoch(epoch)
-            orders = [list(s) for s in per_rank]
-            b = 8 // world
-            return [sorted(sum((o[t * b:(t + 1) * b] for o in orders), [])) for t in range(8)]
-        assert batches(1) == batches(2) == batches(4)
+        assert batches(1, epoch) == batches(2, epoch) == batches(4, epoch)
 
 
 def test_fast_path_and_dataloader_give_identical_batches():

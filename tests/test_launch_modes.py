@@ -1,0 +1,95 @@
+"""Every launch mode trains the same weights: ddptrain's own launch, torchrun,
+torch.distributed.launch --use-env, two torchrun agents forming a two-node job, and the
+tutorial's two example scripts."""
+
+import socket
+import subprocess
+
+import pytest
+
+from conftest import BIN, REPO, assert_ok, assert_same_weights, clean_env, ddptrain, load_model, run
+
+TRAIN = ["train", "--max-epochs", "2", "--batch-size", "16", "--momentum", "0.9"]
+PY = str(BIN / "python")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("reference")
+    assert_ok(ddptrain(*TRAIN, "--nproc", "2", "--run-dir", str(run_dir)))
+    return load_model(run_dir)
+
+
+@pytest.mark.slow
+def test_torchrun(tmp_path, reference):
+    result = run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "ddptrain",
+                  *TRAIN, "--run-dir", str(tmp_path)])
+    assert_ok(result)
+    assert_same_weights(load_model(tmp_path), reference, exact=True)
+
+
+@pytest.mark.slow
+def test_torch_distributed_launch_use_env(tmp_path, reference):
+    result = run([PY, "-m", "torch.distributed.launch", "--use-env", "--nproc-per-node=2",
+                  f"--master-port={free_port()}", "-m", "ddptrain", *TRAIN, "--run-dir", str(tmp_path)])
+    assert_ok(result)
+    assert_same_weights(load_model(tmp_path), reference, exact=True)
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_form_a_two_node_job(tmp_path, reference):
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [subprocess.Popen(
+        [str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+         f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-node-test", "-m", "ddptrain", *TRAIN,
+         "--run-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+        stdin=subprocess.DEVNULL) for _ in range(2)]
+    try:
+        outputs = [agent.communicate(timeout=180) for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    assert [a.returncode for a in agents] == [0, 0], outputs
+    assert_same_weights(load_model(tmp_path), reference, exact=True)
+
+
+@pytest.mark.slow
+def test_two_jobs_started_together_both_succeed(tmp_path):
+    """No fixed port: two jobs on one machine at the same moment do not clash."""
+    jobs = [subprocess.Popen([str(BIN / "ddptrain"), *TRAIN, "--nproc", "2", "--run-dir",
+                              str(tmp_path / str(i))], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=clean_env(), stdin=subprocess.DEVNULL) for i in range(2)]
+    outputs = [job.communicate(timeout=180) for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0], outputs
+    assert_same_weights(load_model(tmp_path / "0"), load_model(tmp_path / "1"), exact=True)
+
+
+@pytest.mark.slow
+def test_example_mp_spawn_script_trains(tmp_path):
+    result = run([PY, str(REPO / "examples" / "ddp_gpus.py"), "--max_epochs", "2", "--batch_size", "32",
+                  "--run_dir", str(tmp_path)])
+    assert_ok(result)
+    assert "[CPU:" not in result.stdout and result.stdout.count("train_loss") >= 2
+    assert load_model(tmp_path)["weight"].shape == (1, 20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "launch"])
+def test_example_torchrun_script_trains(tmp_path, launcher):
+    script = [str(REPO / "examples" / "ddp_gpus_torchrun.py"), "--max_epochs", "2", "--batch_size", "32",
+              "--run_dir", str(tmp_path)]
+    if launcher == "torchrun":
+        command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", *script]
+    else:
+        command = [PY, "-m", "torch.distributed.launch", "--use-env", "--nproc-per-node=2",
+                   f"--master-port={free_port()}", *script]
+    result = run(command, env=clean_env())
+    assert_ok(result)
+    assert load_model(tmp_path)["weight"].shape == (1, 20)
