@@ -32,6 +32,16 @@ class SnapshotError(ConfigError):
     """A snapshot cannot be used: one line naming the file and the problem."""
 
 
+class SnapshotNotShared(SnapshotError):
+    """This rank cannot see a snapshot rank 0 wrote: the run dir is not on shared storage."""
+
+    every_rank = True  # only the ranks that hit it know: each prints it, not only rank 0
+
+    def __init__(self, rank: int, path: str | Path) -> None:
+        super().__init__(f"rank {rank} cannot see snapshot {path} written by rank 0: put --run-dir "
+                         "on storage every node shares")
+
+
 def snapshot_dir(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir) / "snapshots"
 

@@ -232,9 +232,7 @@ class Trainer:
             path = [str(snapshot.write_snapshot(state, snapshot.snapshot_dir(self.run_dir), self.cfg.keep))]
         dist.broadcast_object_list(path, src=0)
         if not Path(path[0]).exists():
-            raise snapshot.SnapshotError(
-                f"rank {self.ctx.rank} cannot see snapshot {path[0]} written by rank 0: put "
-                "--run-dir on storage every node shares")
+            raise snapshot.SnapshotNotShared(self.ctx.rank, path[0])
 
     def _resume(self) -> tuple[dict[str, Any], Path] | None:
         """Load and check the snapshot ``--resume`` names (rank 0 chooses, every rank loads it)."""
@@ -246,8 +244,7 @@ class Trainer:
             return None
         path = Path(choice[0])
         if not path.exists():
-            raise snapshot.SnapshotError(f"rank {self.ctx.rank} cannot see snapshot {path}: put "
-                                         "--run-dir on storage every node shares")
+            raise snapshot.SnapshotNotShared(self.ctx.rank, path)
         state = snapshot.load_snapshot(path)
         self._adapt_batch_to(state, path)
         snapshot.check_model_matches(self.module, state["model"], path)

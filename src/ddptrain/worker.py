@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch.distributed as dist
@@ -30,6 +31,7 @@ EXIT_CODES = {"finished": 0, "config_error": 2, "preempted": PREEMPTED_EXIT_CODE
 @record
 def run_rank(cfg: RunConfig, local_rank_arg: int | None = None) -> Outcome:
     env = detect(local_rank_arg=local_rank_arg)
+    show_warnings_with_rank(env.rank)
     try:
         resolve_device_kind(cfg.device, cfg.backend, env.local_world_size)
         task = tasks.build(cfg)
@@ -41,11 +43,20 @@ def run_rank(cfg: RunConfig, local_rank_arg: int | None = None) -> Outcome:
             outcome = Trainer(task, cfg, ctx).fit()
             pid_file.unlink(missing_ok=True)
     except ConfigError as error:
+        if getattr(error, "every_rank", False) and env.rank != 0:
+            print(f"ddptrain: error: {error}", file=sys.stderr, flush=True)
         return "config_error", str(error)
     if outcome == "preempted":
         return outcome, (f"stopped by a signal at a step boundary; snapshot saved in "
                          f"{cfg.run_dir}/snapshots; run the same command to resume")
     return outcome, f"model saved to {cfg.run_dir}/model.pt"
+
+
+def show_warnings_with_rank(rank: int) -> None:
+    """Warnings print as one line that says which rank raised them."""
+    def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        print(f"ddptrain: rank {rank}: {category.__name__}: {message}", file=file or sys.stderr, flush=True)
+    warnings.showwarning = show
 
 
 def check_batch_fits(dataset_len: int, world_size: int, batch_size: int) -> None:

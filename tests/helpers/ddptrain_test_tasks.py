@@ -70,8 +70,11 @@ class _Recorder(torch.nn.Module):
 
 
 def kill_at_step(cfg) -> Task:
-    """On the first attempt only, rank KILL_RANK SIGKILLs itself at step KILL_STEP."""
+    """On the first attempt only, rank KILL_RANK SIGKILLs itself at step KILL_STEP
+    (without KILL_RANK set, the plain regression task: what resuming such a run uses)."""
     task = regression_task(cfg)
+    if "KILL_RANK" not in os.environ:
+        return task
     rank, step = int(os.environ["KILL_RANK"]), int(os.environ["KILL_STEP"])
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     marker = Path(os.environ["KILL_MARKER"])
@@ -86,3 +89,41 @@ def kill_at_step(cfg) -> Task:
 
 def not_a_task(cfg):
     return "not a task"
+
+
+def kill_while_snapshotting(cfg) -> Task:
+    """On the first attempt, rank 0 dies half-way through writing its KILL_SNAPSHOT-th snapshot:
+    half the bytes are in the temporary file when SIGKILL arrives."""
+    import io
+
+    import ddptrain.snapshot as snapshot
+
+    target = int(os.environ["KILL_SNAPSHOT"])
+    marker = Path(os.environ["KILL_MARKER"])
+    real_save = snapshot.atomic_save
+    calls = {"n": 0}
+
+    def dying_save(obj, path):
+        if path.name.startswith("step-"):
+            calls["n"] += 1
+        if calls["n"] == target and not marker.exists():
+            marker.write_text("killed")
+            buffer = io.BytesIO()
+            torch.save(obj, buffer)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            with open(tmp, "wb") as handle:
+                handle.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_save(obj, path)
+
+    snapshot.atomic_save = dying_save
+    return regression_task(cfg)
+
+
+def mlp_regression(cfg) -> Task:
+    """The regression data with another model: its snapshots do not fit Linear(20, 1)."""
+    task = regression_task(cfg)
+    task.model = torch.nn.Sequential(torch.nn.Linear(20, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    return task
