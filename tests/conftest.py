@@ -7,18 +7,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
 BIN = Path(sys.executable).parent
 
-# Ranks share 2 cores: one thread each, and the helper tasks importable by every rank.
+# Ranks share 2 cores: one thread each (set before torch starts its thread pool), and the
+# helper tasks importable by every rank.
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(TESTS / "helpers"), os.environ.get("PYTHONPATH", "")) if p)
 sys.path.insert(0, str(TESTS / "helpers"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+# Set by pytest itself, or by torch when a module is first imported: not a test's doing.
+NOT_A_LEAK = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +33,7 @@ def no_leaked_environment():
     yield
     after = dict(os.environ)
     changed = sorted(k for k in set(before) | set(after)
-                     if before.get(k) != after.get(k) and k != "PYTEST_CURRENT_TEST")
+                     if before.get(k) != after.get(k) and k not in NOT_A_LEAK)
     os.environ.clear()
     os.environ.update(before)
     assert not changed, f"test leaked environment variables: {changed}"

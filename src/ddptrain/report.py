@@ -122,7 +122,7 @@ def console_line(record: dict[str, Any]) -> str:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    width = max(len(k) for k in summary)
+    width = max((len(k) for k in summary), default=0)
     lines = ["summary"] + [f"  {k.ljust(width)}  {_fmt(v)}" for k, v in summary.items()]
     return "\n".join(lines)
 
@@ -147,7 +147,7 @@ def plot_curves(run_dir: Path) -> str | None:
         return "curves.png not drawn: matplotlib is not installed (pip install 'ddptrain[plot]')"
     records = [r for r in read_metrics(run_dir) if r.get("kind") == "epoch"]
     if not records:
-        return None
+        return "curves.png not drawn: no epoch finished"
     panels = [("loss", ["train_loss", "eval_loss"])]
     extra = sorted({k for r in records for k in r if k.startswith("eval_") and k != "eval_loss"
                     and k != "eval_samples"})
@@ -169,16 +169,20 @@ def plot_curves(run_dir: Path) -> str | None:
 
 
 def summarize(run_dir: Path) -> dict[str, Any]:
-    """The final summary, rebuilt from metrics.jsonl (``ddptrain report``)."""
+    """The final summary, rebuilt from metrics.jsonl (also what ``ddptrain report`` prints)."""
     records = read_metrics(run_dir)
     epochs = [r for r in records if r.get("kind") == "epoch"]
-    if not epochs:
-        return {}
-    last = epochs[-1]
-    summary: dict[str, Any] = {"epochs": last["epoch"] + 1, "steps": last["step"],
-                               "wall_time_s": round(sum(r.get("epoch_time_s", 0.0) for r in epochs), 2)}
+    summary: dict[str, Any] = {
+        "epochs": epochs[-1]["epoch"] + 1 if epochs else 0,
+        "steps": records[-1]["step"] if records else 0,
+        "wall_time_s": round(sum(r.get("epoch_time_s", 0.0) for r in epochs), 2),
+    }
     rates = [r["samples_per_s"] for r in epochs if r.get("samples_per_s")]
     if rates:
         summary["samples_per_s"] = round(sum(rates) / len(rates), 1)
-    summary.update({k: v for k, v in last.items() if k == "train_loss" or k.startswith("eval_")})
+    if epochs:
+        summary["train_loss"] = epochs[-1]["train_loss"]
+    evaluated = [r for r in records if any(k.startswith("eval_") for k in r)]
+    if evaluated:
+        summary.update({k: v for k, v in evaluated[-1].items() if k.startswith("eval_")})
     return summary
