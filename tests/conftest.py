@@ -21,7 +21,6 @@ sys.path.insert(0, str(TESTS / "helpers"))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-
 # Set by pytest itself, or by torch when a module is first imported: not a test's doing.
 NOT_A_LEAK = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
 

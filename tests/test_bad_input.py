@@ -2,8 +2,9 @@
 
 import pytest
 
-from conftest import clean_env, ddptrain
 from ddptrain.cli import main
+
+from conftest import clean_env, ddptrain
 
 
 @pytest.mark.parametrize("args,words", [

@@ -8,11 +8,12 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from conftest import assert_ok, ddptrain
 from ddptrain.config import RunConfig
 from ddptrain.metrics import evaluate
 from ddptrain.optim import build_scheduler, lr_factor
 from ddptrain.tasks.digits import accuracy, digits_task
+
+from conftest import assert_ok, ddptrain
 from ranks import run_on_ranks
 
 

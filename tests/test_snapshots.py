@@ -13,8 +13,9 @@ import time
 import pytest
 import torch
 
-from conftest import BIN, assert_ok, assert_same_weights, clean_env, ddptrain, load_model, run
 from ddptrain import snapshot
+
+from conftest import BIN, assert_ok, assert_same_weights, clean_env, ddptrain, load_model, run
 
 ARGS = ["--max-epochs", "3", "--save-every", "5", "--momentum", "0.9"]
 
