@@ -25,6 +25,8 @@ from conftest import clean_env, ddptrain
     (["--keep", "0"], "--keep must be at least 1"),
     (["--resume", "/no/such/snapshot.pt"], "no such snapshot file"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
+    (["--comm-hook", "bf16", "--device", "cpu"], "--comm-hook bf16 needs the nccl backend"),
+    (["--grad-accum", "0"], "--grad-accum must be at least 1"),
 ])
 def test_bad_flag_is_one_line_and_exit_2(args, words, capsys):
     with pytest.raises(SystemExit) if _is_argparse_error(words) else _nothing() as raised:

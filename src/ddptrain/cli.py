@@ -87,7 +87,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def train(args: argparse.Namespace) -> int:
     from . import tasks
-    from .dist import resolve_device_kind
+    from .dist import check_comm_hook, resolve_device_kind
     from .environments import LocalEnvironment, detect
     from .worker import exit_for, run_rank
 
@@ -100,7 +100,8 @@ def train(args: argparse.Namespace) -> int:
     from .launch import auto_nproc, launch_local
 
     nproc = parse_nproc(cfg.nproc) or auto_nproc(cfg.device)
-    device_kind, _ = resolve_device_kind(cfg.device, cfg.backend, nproc)
+    device_kind, backend = resolve_device_kind(cfg.device, cfg.backend, nproc)
+    check_comm_hook(cfg.comm_hook, backend)
     cfg.run_dir = cfg.run_dir or default_run_dir()
     return launch_local(cfg, nproc, device_kind)
 

@@ -67,6 +67,12 @@ def resolve_device_kind(device: str, backend: str, local_world_size: int) -> tup
     return device, backend
 
 
+def check_comm_hook(hook: str, backend: str) -> None:
+    if hook == "bf16" and backend != "nccl":
+        raise ConfigError("--comm-hook bf16 needs the nccl backend (torch's hook refuses gloo); "
+                          "use --comm-hook fp16 on CPU")
+
+
 def set_cpu_threads(local_world_size: int) -> None:
     """Share the cores between the local ranks, unless OMP_NUM_THREADS says otherwise."""
     if "OMP_NUM_THREADS" in os.environ:

@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from . import tasks
 from .config import ConfigError, RunConfig, default_run_dir
 from .data import steps_per_epoch
-from .dist import process_group, resolve_device_kind
+from .dist import check_comm_hook, process_group, resolve_device_kind
 from .environments import Environment, detect
 from .preemption import PREEMPTED_EXIT_CODE
 from .trainer import Trainer
@@ -33,7 +33,7 @@ def run_rank(cfg: RunConfig, local_rank_arg: int | None = None) -> Outcome:
     env = detect(local_rank_arg=local_rank_arg)
     show_warnings_with_rank(env.rank)
     try:
-        resolve_device_kind(cfg.device, cfg.backend, env.local_world_size)
+        check_comm_hook(cfg.comm_hook, resolve_device_kind(cfg.device, cfg.backend, env.local_world_size)[1])
         task = tasks.build(cfg)
         cfg = cfg.with_task_defaults(task.defaults)
         check_batch_fits(len(task.train_set), env.world_size, cfg.batch_size)

@@ -127,3 +127,38 @@ def mlp_regression(cfg) -> Task:
     task = regression_task(cfg)
     task.model = torch.nn.Sequential(torch.nn.Linear(20, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     return task
+
+
+class _PlainDataset(torch.utils.data.Dataset):
+    """The same samples without the TensorDataset type: forces the DataLoader path."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        return self.inner[index]
+
+
+def regression_via_dataloader(cfg) -> Task:
+    task = regression_task(cfg)
+    task.train_set = _PlainDataset(task.train_set)
+    return task
+
+
+class _HalfUsed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(20, 1)
+        self.unused = torch.nn.Linear(20, 1)  # gets no gradient: DDP must be told
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def unused_parameters(cfg) -> Task:
+    task = regression_task(cfg)
+    task.model = _HalfUsed()
+    return task
