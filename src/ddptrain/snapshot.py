@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,40 @@ def write_snapshot(state: dict[str, Any], directory: Path, keep: int) -> Path:
     for old in list_snapshots(directory)[:-keep]:
         old.unlink(missing_ok=True)
     return path
+
+
+def cpu_copy(obj: Any) -> Any:
+    """``obj`` with every tensor replaced by a CPU copy (dicts, lists and tuples followed)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_copy(v) for v in obj)
+    return obj
+
+
+class SnapshotWriter:
+    """One background thread that commits snapshots in order; errors surface on ``wait``."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-snapshot")
+        self.pending: Future[Path] | None = None
+
+    def submit(self, state: dict[str, Any], directory: Path, keep: int) -> None:
+        self.wait()
+        self.pending = self.pool.submit(write_snapshot, state, directory, keep)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.pool.shutdown(wait=True)
 
 
 def load_snapshot(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

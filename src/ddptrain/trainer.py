@@ -35,28 +35,39 @@ class Trainer:
         self.task, self.cfg, self.ctx, self.device = task, cfg, ctx, ctx.device
         self.run_dir = Path(cfg.run_dir or ".")
         self.module = task.model.to(self.device)  # unwrapped: state_dict, evaluation, model.pt
-        compiled = torch.compile(self.module) if cfg.compile else self.module
-        self.model = DDP(
-            compiled,
-            device_ids=[self.device] if self.device.type == "cuda" else None,
-            gradient_as_bucket_view=True,
-            static_graph=cfg.static_graph,
-            find_unused_parameters=cfg.find_unused_parameters,
-            **({"bucket_cap_mb": cfg.bucket_cap_mb} if cfg.bucket_cap_mb else {}),
-        )
+        self.model = self._wrap(torch.compile(self.module) if cfg.compile else self.module)
         apply_step_timeout(cfg.timeout)  # DDP's start-up broadcast is done
-        register_comm_hook(self.model, cfg.comm_hook)
         params = self.model.parameters()
         self.optimizer = task.make_optimizer(params) if task.make_optimizer else build_optimizer(params, cfg)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16" and self.device.type == "cuda")
         self.epoch = self.step_in_epoch = self.global_step = 0
         self.last_saved_step = -1
+        self.resumed_steps: set[int] = set()  # loaded with --resume PATH: maybe not in our folder
         self.running_loss = RunningLoss(self.device)
         self.reporter = Reporter(cfg, self.run_dir, enabled=ctx.is_main)
         self.stop_signal = StopSignal(ctx.backend)
+        self.writer = snapshot.SnapshotWriter()
         self.first_step_at: float | None = None
         self.first_step_reported = False
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """DDP across ranks. One rank has nobody to talk to: DDP would only add its overhead."""
+        if self.ctx.world_size == 1:
+            return model
+        ddp = DDP(
+            model,
+            device_ids=[self.device] if self.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+            static_graph=self.cfg.static_graph,
+            find_unused_parameters=self.cfg.find_unused_parameters,
+            **({"bucket_cap_mb": self.cfg.bucket_cap_mb} if self.cfg.bucket_cap_mb else {}),
+        )
+        register_comm_hook(ddp, self.cfg.comm_hook)
+        return ddp
+
+    def _no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        return self.model.no_sync() if isinstance(self.model, DDP) else contextlib.nullcontext()
 
     # --- the loop ------------------------------------------------------------------------------
     def fit(self) -> str:
@@ -65,6 +76,7 @@ class Trainer:
             return self._fit()
         finally:
             self.stop_signal.close()
+            self.writer.close()
 
     def _fit(self) -> str:
         resumed = self._resume()
@@ -80,6 +92,7 @@ class Trainer:
         while self.epoch < self.cfg.max_epochs:
             if self._run_epoch(self.epoch) == "preempted":
                 self.save_snapshot()
+                self._commit_snapshots()
                 return "preempted"
         self._finish()
         return "finished"
@@ -123,20 +136,22 @@ class Trainer:
     def _run_batch(self, group: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """One optimizer step over ``group`` (``--grad-accum`` micro-batches). Returns the loss."""
         self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=self.device)
         for i, (inputs, target) in enumerate(group):
             last = i == len(group) - 1
-            sync = contextlib.nullcontext() if last else self.model.no_sync()
+            sync = contextlib.nullcontext() if last else self._no_sync()  # all-reduce once per step
             with sync, self._autocast():
-                loss = self.task.loss_fn(self._forward(inputs), target) / len(group)
+                loss = self.task.loss_fn(self._forward(inputs), target)
+                if len(group) > 1:
+                    loss = loss / len(group)  # the mean over the whole group's samples
             self.scaler.scale(loss).backward()
-            total += loss.detach().float()
+            total = loss.detach() if i == 0 else total + loss.detach()
         if self.cfg.clip_grad:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.scheduler.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         return total
 
     def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -160,7 +175,7 @@ class Trainer:
             "train_loss": self.running_loss.global_mean(),
             "lr": self.optimizer.param_groups[0]["lr"],
             "samples_per_s": round(samples / seconds, 1) if seconds > 0 else None,
-            "epoch_time_s": round(seconds, 3),
+            "epoch_time_s": round(seconds, 3), "samples": samples, "time": round(time.time(), 3),
         }
         if not self.first_step_reported and self.first_step_at is not None:
             record["first_step_at"] = self.first_step_at  # wall clock, for start-up benchmarks
@@ -191,6 +206,7 @@ class Trainer:
         self.reporter.log(record)
 
     def _finish(self) -> None:
+        self._commit_snapshots()
         if self.ctx.is_main:
             weights = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
             snapshot.atomic_save(weights, self.run_dir / "model.pt")
@@ -206,9 +222,10 @@ class Trainer:
     def state_dict(self, rng_states: list[Any], loss_sums: tuple[float, int]) -> dict[str, Any]:
         return {
             "format_version": snapshot.FORMAT_VERSION,
-            "model": {k: v.detach().cpu() for k, v in self.module.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            # copies: the writer thread saves them while training changes the originals
+            "model": snapshot.cpu_copy(self.module.state_dict()),
+            "optimizer": snapshot.cpu_copy(self.optimizer.state_dict()),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
             "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
             "epoch_loss_total": loss_sums[0], "epoch_loss_steps": loss_sums[1],
@@ -219,20 +236,44 @@ class Trainer:
         }
 
     def save_snapshot(self) -> None:
-        """Every rank calls this; rank 0 writes; every rank then checks it can see the file."""
+        """Every rank calls this; rank 0 writes the file in the background.
+
+        The state is copied at once (so training can go on), and the copy is written by a
+        thread: the file I/O (4 ms for the tutorial job, far more for big models) stays off
+        the training path. Rank 0 finishes the previous write before it joins the gather
+        below, so after the gather every rank knows that write was committed and checks it
+        can see it.
+        """
         if self.global_step == self.last_saved_step:
             return
-        self.last_saved_step = self.global_step
-        loss_sums = self.running_loss.global_sums()
+        # At an epoch end the running loss was just read and reset on every rank alike.
+        loss_sums = self.running_loss.global_sums() if self.running_loss.steps else (0.0, 0)
+        if self.ctx.is_main:
+            self.writer.wait()
         rng_states: list[Any] = [None] * self.ctx.world_size
         dist.all_gather_object(rng_states, snapshot.capture_rng())
-        path = [None]
+        self._check_visible(self.last_saved_step)
         if self.ctx.is_main:
-            state = self.state_dict(rng_states, loss_sums)
-            path = [str(snapshot.write_snapshot(state, snapshot.snapshot_dir(self.run_dir), self.cfg.keep))]
-        dist.broadcast_object_list(path, src=0)
-        if not Path(path[0]).exists():
-            raise snapshot.SnapshotNotShared(self.ctx.rank, path[0])
+            self.writer.submit(self.state_dict(rng_states, loss_sums), self._snapshot_dir, self.cfg.keep)
+        self.last_saved_step = self.global_step
+
+    def _commit_snapshots(self) -> None:
+        """Wait until the last snapshot is on disk and every rank can see it."""
+        if self.ctx.is_main:
+            self.writer.wait()
+        dist.barrier()
+        self._check_visible(self.last_saved_step)
+
+    def _check_visible(self, step: int) -> None:
+        if step < 0:
+            return
+        path = self._snapshot_dir / snapshot.snapshot_name(step)
+        if not path.exists() and step not in self.resumed_steps:
+            raise snapshot.SnapshotNotShared(self.ctx.rank, path)
+
+    @property
+    def _snapshot_dir(self) -> Path:
+        return snapshot.snapshot_dir(self.run_dir)
 
     def _resume(self) -> tuple[dict[str, Any], Path] | None:
         """Load and check the snapshot ``--resume`` names (rank 0 chooses, every rank loads it)."""
@@ -262,11 +303,13 @@ class Trainer:
         """Continue exactly where the snapshot stopped (after the scheduler exists)."""
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
         self.global_step = self.last_saved_step = state["global_step"]
+        self.resumed_steps.add(self.global_step)
         if self.ctx.is_main:  # the epoch's loss so far, already summed over ranks
             self.running_loss.restore(state.get("epoch_loss_total", 0.0), state.get("epoch_loss_steps", 0))
         if state["world_size"] == self.ctx.world_size:
@@ -296,4 +339,5 @@ class Trainer:
         self.batches = TrainBatches(self.task.train_set, self.sampler, cfg.batch_size, self.device, cfg.workers)
         micro = steps_per_epoch(len(self.task.train_set), ctx.world_size, cfg.batch_size)
         self.steps_per_epoch = math.ceil(micro / cfg.grad_accum)
-        self.scheduler = build_scheduler(self.optimizer, cfg, self.steps_per_epoch * cfg.max_epochs)
+        constant = cfg.lr_schedule == "constant" and cfg.warmup_steps == 0  # nothing to step
+        self.scheduler = None if constant else build_scheduler(self.optimizer, cfg, self.steps_per_epoch * cfg.max_epochs)
