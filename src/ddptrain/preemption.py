@@ -7,7 +7,7 @@ cost ~1 ms on a 4 ms step (measured, tutorial job, 2 CPU ranks), so checks are s
 about CHECK_SECONDS apart: each check also carries every rank's proposed interval (steps
 that fit in CHECK_SECONDS), and all ranks take the smallest. A stop is acted upon within
 about two intervals, far inside the 30 s torchelastic and Slurm give before SIGKILL. On
-NCCL jobs the flag travels over a separate gloo group, so agreeing never syncs the GPU.
+NCCL jobs the flag travels over the trainer's gloo group, so agreeing never syncs the GPU.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ MAX_INTERVAL = 1000
 
 
 class StopSignal:
-    def __init__(self, backend: str) -> None:
+    def __init__(self, group: Any = None) -> None:
+        """``group``: a gloo process group (None: the default group, which must be gloo)."""
         self.requested = False
-        self.group = dist.new_group(backend="gloo") if backend != "gloo" else None
+        self.group = group
         self.message = torch.zeros(2)
         self.pending: Any = None
         self.interval, self.next_check = 1, 1

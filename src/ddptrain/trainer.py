@@ -46,7 +46,9 @@ class Trainer:
         self.resumed_steps: set[int] = set()  # loaded with --resume PATH: maybe not in our folder
         self.running_loss = RunningLoss(self.device)
         self.reporter = Reporter(cfg, self.run_dir, enabled=ctx.is_main)
-        self.stop_signal = StopSignal(ctx.backend)
+        # Small control messages (stop flags, RNG states) travel on CPU: gloo even on NCCL jobs.
+        self.cpu_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else None
+        self.stop_signal = StopSignal(self.cpu_group)
         self.writer = snapshot.SnapshotWriter()
         self.first_step_at: float | None = None
         self.first_step_reported = False
@@ -136,6 +138,7 @@ class Trainer:
     def _run_batch(self, group: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """One optimizer step over ``group`` (``--grad-accum`` micro-batches). Returns the loss."""
         self.optimizer.zero_grad(set_to_none=True)
+        total = None
         for i, (inputs, target) in enumerate(group):
             last = i == len(group) - 1
             sync = contextlib.nullcontext() if last else self._no_sync()  # all-reduce once per step
@@ -144,7 +147,7 @@ class Trainer:
                 if len(group) > 1:
                     loss = loss / len(group)  # the mean over the whole group's samples
             self.scaler.scale(loss).backward()
-            total = loss.detach() if i == 0 else total + loss.detach()
+            total = loss.detach() if total is None else total + loss.detach()
         if self.cfg.clip_grad:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
@@ -250,8 +253,7 @@ class Trainer:
         loss_sums = self.running_loss.global_sums() if self.running_loss.steps else (0.0, 0)
         if self.ctx.is_main:
             self.writer.wait()
-        rng_states: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(rng_states, snapshot.capture_rng())
+        rng_states = snapshot.gather_rng_states(self.ctx.world_size, self.cpu_group)
         self._check_visible(self.last_saved_step)
         if self.ctx.is_main:
             self.writer.submit(self.state_dict(rng_states, loss_sums), self._snapshot_dir, self.cfg.keep)
@@ -340,4 +342,5 @@ class Trainer:
         micro = steps_per_epoch(len(self.task.train_set), ctx.world_size, cfg.batch_size)
         self.steps_per_epoch = math.ceil(micro / cfg.grad_accum)
         constant = cfg.lr_schedule == "constant" and cfg.warmup_steps == 0  # nothing to step
-        self.scheduler = None if constant else build_scheduler(self.optimizer, cfg, self.steps_per_epoch * cfg.max_epochs)
+        total_steps = self.steps_per_epoch * cfg.max_epochs
+        self.scheduler = None if constant else build_scheduler(self.optimizer, cfg, total_steps)
