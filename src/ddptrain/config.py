@@ -22,10 +22,9 @@ class ConfigError(ValueError):
     """Bad input from the user: reported as one line, exit status 2, nothing started."""
 
 
-def _opt(help: str, *, choices: tuple[str, ...] | None = None, alias: str | None = None,
-         launcher_only: bool = False, **kw: Any) -> Any:
-    meta = {"help": help, "choices": choices, "alias": alias, "launcher_only": launcher_only}
-    return field(metadata=meta, **kw)
+def _opt(help: str, *, choices: tuple[str, ...] | None = None, alias: str | None = None, **kw: Any) -> Any:
+    """A config field with the metadata cli.py turns into a flag."""
+    return field(metadata={"help": help, "choices": choices, "alias": alias}, **kw)
 
 
 # Hyper-parameters a task may choose defaults for, and the defaults when it does not.
@@ -66,14 +65,14 @@ class RunConfig:
 
     # --- where and how to run -----------------------------------------------------------
     nproc: str = _opt("local ranks when not under a launcher: a number, or auto "
-                      "(one per GPU; 2 CPU ranks without GPUs)", default="auto", launcher_only=True)
+                      "(one per GPU; 2 CPU ranks without GPUs)", default="auto")
     device: str = _opt("compute device", choices=("auto", "cpu", "cuda"), default="auto")
     backend: str = _opt("process-group backend (auto: nccl on CUDA, else gloo)",
                         choices=("auto", "gloo", "nccl"), default="auto")
     timeout: float = _opt("seconds a collective may wait for the other ranks before the job fails",
                           default=300.0)
     max_restarts: int = _opt("restarts of all local ranks after a failure (local launch; under "
-                             "torchrun use its own --max-restarts)", default=0, launcher_only=True)
+                             "torchrun use its own --max-restarts)", default=0)
     workers: int = _opt("DataLoader worker processes per rank (data sets that are not "
                         "in-memory tensors)", default=0)
 

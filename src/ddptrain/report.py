@@ -23,7 +23,9 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:.4g}" if math.isfinite(value) else str(value)
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
     return str(value)
 
 

@@ -1,0 +1,70 @@
+"""Two hosts with their own addresses: two network namespaces joined by a veth pair, one
+torchrun agent in each, the rendezvous on the first host's address (not 127.0.0.1).
+
+Catches code that binds to localhost or assumes one host. Traffic goes only to the two
+namespaces' own addresses (198.18.0.1/30 and .2, from the benchmarking range) and loopback.
+"""
+
+import os
+import shutil
+import subprocess
+import uuid
+
+import pytest
+
+from conftest import BIN, assert_ok, assert_same_weights, clean_env, ddptrain, load_model
+
+HOSTS = {"a": "198.18.0.1", "b": "198.18.0.2"}
+TRAIN = ["train", "--max-epochs", "2", "--batch-size", "16", "--momentum", "0.9"]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts():
+    if shutil.which("ip") is None:
+        pytest.fail("the two-host test needs iproute2's `ip` (apt-get install iproute2)")
+    tag = uuid.uuid4().hex[:6]
+    names = {host: f"ddp{host}{tag}" for host in HOSTS}
+    links = {host: f"veth{host}{tag}" for host in HOSTS}
+    try:
+        for host, name in names.items():
+            _ip("netns", "add", name)
+            _ip("-n", name, "link", "set", "lo", "up")
+        _ip("link", "add", links["a"], "type", "veth", "peer", "name", links["b"])
+        for host, name in names.items():
+            _ip("link", "set", links[host], "netns", name)
+            _ip("-n", name, "addr", "add", f"{HOSTS[host]}/30", "dev", links[host])
+            _ip("-n", name, "link", "set", links[host], "up")
+        yield names, links
+    finally:
+        for name in names.values():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+@pytest.mark.slow
+def test_two_namespaces_train_like_one_host(tmp_path, two_hosts):
+    names, links = two_hosts
+    assert_ok(ddptrain(*TRAIN, "--nproc", "2", "--run-dir", str(tmp_path / "single")))
+    endpoint = f"{HOSTS['a']}:29400"
+    agents = []
+    for host, name in names.items():
+        # gloo must use the namespace's own interface, not whatever the hostname resolves to
+        env = clean_env(GLOO_SOCKET_IFNAME=links[host])
+        agents.append(subprocess.Popen(
+            ["ip", "netns", "exec", name, str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1",
+             "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=netns",
+             f"--local-addr={HOSTS[host]}", "-m", "ddptrain", *TRAIN, "--run-dir", str(tmp_path / "two")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+            cwd=os.getcwd()))
+    try:
+        outputs = [agent.communicate(timeout=180) for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    assert [a.returncode for a in agents] == [0, 0], outputs
+    config_master = outputs[0][0] + outputs[1][0]
+    assert "training regression on 2 rank(s)" in config_master
+    assert_same_weights(load_model(tmp_path / "two"), load_model(tmp_path / "single"), exact=True)
