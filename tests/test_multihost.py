@@ -30,7 +30,7 @@ def two_hosts():
     names = {host: f"ddp{host}{tag}" for host in HOSTS}
     links = {host: f"veth{host}{tag}" for host in HOSTS}
     try:
-        for host, name in names.items():
+        for name in names.values():
             _ip("netns", "add", name)
             _ip("-n", name, "link", "set", "lo", "up")
         _ip("link", "add", links["a"], "type", "veth", "peer", "name", links["b"])
@@ -56,11 +56,13 @@ def test_two_namespaces_train_like_one_host(tmp_path, two_hosts):
         agents.append(subprocess.Popen(
             ["ip", "netns", "exec", name, str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1",
              "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=netns",
+             # the hostname resolves to 127.0.0.1: say which agent hosts the rendezvous store
+             f"--rdzv-conf=is_host={int(host == 'a')}",
              f"--local-addr={HOSTS[host]}", "-m", "ddptrain", *TRAIN, "--run-dir", str(tmp_path / "two")],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
             cwd=os.getcwd()))
     try:
-        outputs = [agent.communicate(timeout=180) for agent in agents]
+        outputs = [agent.communicate(timeout=120) for agent in agents]
     finally:
         for agent in agents:
             agent.kill()
