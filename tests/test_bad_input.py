@@ -72,3 +72,15 @@ def test_real_command_unknown_flag(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "ddptrain train: error: unrecognized arguments: --bogus (see ddptrain train --help)"]
+
+
+def test_busy_master_port_is_one_line(monkeypatch, capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        monkeypatch.setenv("MASTER_PORT", str(busy.getsockname()[1]))
+        assert main(["train", "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "Address already in use" in err and "unset MASTER_PORT" in err and len(err.splitlines()) == 1

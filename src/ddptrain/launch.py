@@ -6,9 +6,11 @@ stops the others) and per-rank error reports come from ``torch.distributed.launc
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import socket
 import sys
 import uuid
 from pathlib import Path
@@ -18,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .dist import cuda_count
 from .preemption import PREEMPTED_EXIT_CODE
 from .worker import exit_for, run_rank
@@ -36,6 +38,21 @@ def start_method(device_kind: str) -> str:
     return "spawn" if device_kind == "cuda" else "fork"
 
 
+def check_can_listen(addr: str, port: str) -> None:
+    """The rendezvous store listens on MASTER_ADDR:MASTER_PORT; say so at once if it cannot
+    (the tutorial's fixed port 12355 fails like this when a second job starts)."""
+    try:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((addr, int(port)))
+    except ValueError:
+        raise ConfigError(f"MASTER_PORT={port!r} is not a port number; unset it to let the OS pick one") from None
+    except OSError as error:
+        hint = ("another job uses it: unset MASTER_PORT to let the OS pick a free port, or choose another"
+                if error.errno == errno.EADDRINUSE else "is MASTER_ADDR an address of this machine?")
+        raise ConfigError(f"cannot listen on MASTER_ADDR:MASTER_PORT {addr}:{port} ({error.strerror}); {hint}") from None
+
+
 def launch_local(cfg: RunConfig, nproc: int, device_kind: str) -> int:
     """Run ``nproc`` ranks on this machine and return the exit status for the command."""
     # A restarted rank must not reuse the previous attempt's store (gloo connectFullMesh
@@ -43,6 +60,7 @@ def launch_local(cfg: RunConfig, nproc: int, device_kind: str) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = os.environ.get("MASTER_PORT", "0")  # 0: the OS picks a free port, no clashes
+    check_can_listen(addr, port)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}", local_addr=addr,
