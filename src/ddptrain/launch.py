@@ -55,12 +55,12 @@ def check_can_listen(addr: str, port: str) -> None:
 
 def launch_local(cfg: RunConfig, nproc: int, device_kind: str) -> int:
     """Run ``nproc`` ranks on this machine and return the exit status for the command."""
-    # A restarted rank must not reuse the previous attempt's store (gloo connectFullMesh
-    # failures, pytorch/pytorch#135712); measured here: 5 of 5 restarts work with this.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = os.environ.get("MASTER_PORT", "0")  # 0: the OS picks a free port, no clashes
     check_can_listen(addr, port)
+    # A restarted rank must not reuse the previous attempt's store (gloo connectFullMesh
+    # failures, pytorch/pytorch#135712); measured here: 5 of 5 restarts work with this.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}", local_addr=addr,
