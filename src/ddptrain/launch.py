@@ -50,7 +50,8 @@ def check_can_listen(addr: str, port: str) -> None:
     except OSError as error:
         hint = ("another job uses it: unset MASTER_PORT to let the OS pick a free port, or choose another"
                 if error.errno == errno.EADDRINUSE else "is MASTER_ADDR an address of this machine?")
-        raise ConfigError(f"cannot listen on MASTER_ADDR:MASTER_PORT {addr}:{port} ({error.strerror}); {hint}") from None
+        where = f"MASTER_ADDR:MASTER_PORT {addr}:{port}"
+        raise ConfigError(f"cannot listen on {where} ({error.strerror}); {hint}") from None
 
 
 def launch_local(cfg: RunConfig, nproc: int, device_kind: str) -> int:
