@@ -52,6 +52,26 @@ def bench_task(cfg: Any) -> Task:
     return Task(model=job_model(job), train_set=regression_data(cfg.seed, job_samples(job)), loss_fn=F.mse_loss)
 
 
+class _NotInMemory(torch.utils.data.Dataset):
+    """The same samples behind a plain Dataset: ddptrain takes the DataLoader path."""
+
+    def __init__(self, inner: TensorDataset) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        return self.inner[index]
+
+
+def bench_task_via_dataloader(cfg: Any) -> Task:
+    """``bench_task`` through the DataLoader path (benchmarks/gpu_check.sh compares the two)."""
+    task = bench_task(cfg)
+    task.train_set = _NotInMemory(task.train_set)
+    return task
+
+
 def _rank(rank: int, world: int, port: int, loop: str, job: str, epochs: int, batch: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

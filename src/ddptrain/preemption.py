@@ -1,4 +1,5 @@
-"""Stop signals (SIGTERM from torchelastic or Slurm, SIGUSR1 that Slurm can send ahead).
+"""Stop signals (SIGTERM from torchelastic or Slurm, SIGUSR1 that Slurm can send ahead,
+SIGINT from Ctrl-C: a second Ctrl-C interrupts at once).
 
 The handler only sets a flag. The ranks agree on it with one small asynchronous all-reduce
 at agreed step boundaries: the collective started at one check is read at the next, so no
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # Exit status of a rank that stopped on a signal after saving its snapshot (128 + SIGTERM,
 # the shell's "terminated"): launchers and schedulers see the job as unfinished.
 PREEMPTED_EXIT_CODE = 143
@@ -42,6 +43,8 @@ class StopSignal:
                 signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.requested:
+            raise KeyboardInterrupt  # asked twice: stop now, without a snapshot
         self.requested = True
 
     def agreed(self) -> bool:
