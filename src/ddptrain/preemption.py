@@ -1,5 +1,6 @@
-"""Stop signals (SIGTERM from torchelastic or Slurm, SIGUSR1 that Slurm can send ahead,
-SIGINT from Ctrl-C: a second Ctrl-C interrupts at once).
+"""Stop signals: SIGTERM (torchelastic, Slurm), SIGUSR1 (Slurm's --signal) and SIGINT
+(Ctrl-C, which the elastic agent also forwards to every rank; if the ranks do not stop
+within its 30 s it kills them).
 
 The handler only sets a flag. The ranks agree on it with one small asynchronous all-reduce
 at agreed step boundaries: the collective started at one check is read at the next, so no
@@ -43,8 +44,6 @@ class StopSignal:
                 signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGINT and self.requested:
-            raise KeyboardInterrupt  # asked twice: stop now, without a snapshot
         self.requested = True
 
     def agreed(self) -> bool:
