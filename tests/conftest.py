@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -49,9 +50,39 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def run(args: list[str], timeout: float = 180, env: dict[str, str] | None = None,
         cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """Run a command to completion (a test fails, never hangs, past ``timeout``)."""
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
-                          env=env or clean_env(), cwd=cwd, stdin=subprocess.DEVNULL)
+    """Run a command to completion. Past ``timeout`` the test fails, and the command's whole
+    process group (launchers leave ranks behind otherwise) is killed."""
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or clean_env(),
+                          cwd=cwd, stdin=subprocess.DEVNULL, start_new_session=True) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            out, err = process.communicate()
+            raise AssertionError(f"`{' '.join(args)}` ran past {timeout} s\n{out}\n{err}") from None
+    return subprocess.CompletedProcess(args, process.returncode, out, err)
+
+
+@pytest.fixture
+def start():
+    """``start(args, **popen_kwargs)``: a background command in its own process group; at
+    the end of the test the whole group is killed, so no rank outlives a failed test."""
+    started: list[subprocess.Popen] = []
+
+    def launch(args: list[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+        process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env=env or clean_env(), stdin=subprocess.DEVNULL, start_new_session=True,
+                                   **kwargs)
+        started.append(process)
+        return process
+
+    yield launch
+    for process in started:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.communicate()
 
 
 def ddptrain(*args: str, timeout: float = 180, env: dict[str, str] | None = None,

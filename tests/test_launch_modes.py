@@ -3,7 +3,6 @@ torch.distributed.launch --use-env, two torchrun agents forming a two-node job, 
 tutorial's two example scripts."""
 
 import socket
-import subprocess
 
 import pytest
 
@@ -43,29 +42,21 @@ def test_torch_distributed_launch_use_env(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_two_torchrun_agents_form_a_two_node_job(tmp_path, reference):
+def test_two_torchrun_agents_form_a_two_node_job(tmp_path, reference, start):
     endpoint = f"127.0.0.1:{free_port()}"
-    agents = [subprocess.Popen(
-        [str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-         f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-node-test", "-m", "ddptrain", *TRAIN,
-         "--run-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
-        stdin=subprocess.DEVNULL) for _ in range(2)]
-    try:
-        outputs = [agent.communicate(timeout=180) for agent in agents]
-    finally:
-        for agent in agents:
-            agent.kill()
+    agents = [start([str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-node-test", "-m", "ddptrain", *TRAIN,
+                     "--run-dir", str(tmp_path)]) for _ in range(2)]
+    outputs = [agent.communicate(timeout=180) for agent in agents]
     assert [a.returncode for a in agents] == [0, 0], outputs
     assert_same_weights(load_model(tmp_path), reference, exact=True)
 
 
 @pytest.mark.slow
-def test_two_jobs_started_together_both_succeed(tmp_path):
+def test_two_jobs_started_together_both_succeed(tmp_path, start):
     """No fixed port: two jobs on one machine at the same moment do not clash."""
-    jobs = [subprocess.Popen([str(BIN / "ddptrain"), *TRAIN, "--nproc", "2", "--run-dir",
-                              str(tmp_path / str(i))], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=clean_env(), stdin=subprocess.DEVNULL) for i in range(2)]
+    jobs = [start([str(BIN / "ddptrain"), *TRAIN, "--nproc", "2", "--run-dir", str(tmp_path / str(i))])
+            for i in range(2)]
     outputs = [job.communicate(timeout=180) for job in jobs]
     assert [job.returncode for job in jobs] == [0, 0], outputs
     assert_same_weights(load_model(tmp_path / "0"), load_model(tmp_path / "1"), exact=True)

@@ -5,7 +5,6 @@ Catches code that binds to localhost or assumes one host. Traffic goes only to t
 namespaces' own addresses (198.18.0.1/30 and .2, from the benchmarking range) and loopback.
 """
 
-import os
 import shutil
 import subprocess
 import uuid
@@ -45,7 +44,7 @@ def two_hosts():
 
 
 @pytest.mark.slow
-def test_two_namespaces_train_like_one_host(tmp_path, two_hosts):
+def test_two_namespaces_train_like_one_host(tmp_path, two_hosts, start):
     names, links = two_hosts
     assert_ok(ddptrain(*TRAIN, "--nproc", "2", "--run-dir", str(tmp_path / "single")))
     endpoint = f"{HOSTS['a']}:29400"
@@ -53,19 +52,14 @@ def test_two_namespaces_train_like_one_host(tmp_path, two_hosts):
     for host, name in names.items():
         # gloo must use the namespace's own interface, not whatever the hostname resolves to
         env = clean_env(GLOO_SOCKET_IFNAME=links[host])
-        agents.append(subprocess.Popen(
+        agents.append(start(
             ["ip", "netns", "exec", name, str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1",
              "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=netns",
              # the hostname resolves to 127.0.0.1: say which agent hosts the rendezvous store
              f"--rdzv-conf=is_host={int(host == 'a')}",
              f"--local-addr={HOSTS[host]}", "-m", "ddptrain", *TRAIN, "--run-dir", str(tmp_path / "two")],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-            cwd=os.getcwd()))
-    try:
-        outputs = [agent.communicate(timeout=120) for agent in agents]
-    finally:
-        for agent in agents:
-            agent.kill()
+            env=env))
+    outputs = [agent.communicate(timeout=120) for agent in agents]
     assert [a.returncode for a in agents] == [0, 0], outputs
     config_master = outputs[0][0] + outputs[1][0]
     assert "training regression on 2 rank(s)" in config_master

@@ -49,7 +49,7 @@ def test_srun_ranks_train_like_a_local_launch(slurm, tmp_path):
 
 @pytest.mark.slow
 def test_sbatch_preempted_by_sigterm_requeues_and_resumes_exactly(slurm, tmp_path):
-    args = ["--max-epochs", "40", "--momentum", "0.9"]
+    args = ["--max-epochs", "60", "--momentum", "0.9"]
     assert_ok(ddptrain("train", *args, "--nproc", "2", "--run-dir", str(tmp_path / "reference")))
     run_dir = tmp_path / "run"
     env = slurm_env(slurm, RUN_DIR=str(run_dir))

@@ -7,7 +7,6 @@ import os
 import pickle
 import shutil
 import signal
-import subprocess
 import time
 
 import pytest
@@ -135,7 +134,7 @@ def test_snapshot_of_another_model_is_refused(killed_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_run_dir_not_shared_between_nodes_is_a_clear_error(tmp_path):
+def test_run_dir_not_shared_between_nodes_is_a_clear_error(tmp_path, start):
     """Two torchrun 'nodes' in different folders: rank 1 cannot see rank 0's snapshot."""
     import socket
     with socket.socket() as s:
@@ -144,11 +143,10 @@ def test_run_dir_not_shared_between_nodes_is_a_clear_error(tmp_path):
     agents = []
     for node in ("a", "b"):
         (tmp_path / node).mkdir()
-        agents.append(subprocess.Popen(
+        agents.append(start(
             [str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
              f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=unshared", "-m", "ddptrain", "train",
-             "--max-epochs", "1", "--run-dir", "run"], cwd=tmp_path / node, env=clean_env(),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL))
+             "--max-epochs", "1", "--run-dir", "run"], cwd=tmp_path / node))
     outputs = [agent.communicate(timeout=120) for agent in agents]
     assert all(agent.returncode != 0 for agent in agents)
     assert "put --run-dir on storage every node shares" in "".join(o[1] for o in outputs)
@@ -207,14 +205,12 @@ def test_rotation_keeps_the_newest_k(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_rank_saves_and_exits_cleanly_then_resumes_exactly(tmp_path):
-    args = ["--max-epochs", "40", "--momentum", "0.9"]
+def test_sigterm_to_one_rank_saves_and_exits_cleanly_then_resumes_exactly(tmp_path, start):
+    args = ["--max-epochs", "60", "--momentum", "0.9"]
     reference = tmp_path / "reference"
     assert_ok(ddptrain("train", *args, "--nproc", "2", "--run-dir", str(reference)))
     run_dir = tmp_path / "run"
-    job = subprocess.Popen([str(BIN / "ddptrain"), "train", *args, "--nproc", "2", "--run-dir", str(run_dir)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
-                           stdin=subprocess.DEVNULL)
+    job = start([str(BIN / "ddptrain"), "train", *args, "--nproc", "2", "--run-dir", str(run_dir)])
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 60
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
@@ -227,7 +223,7 @@ def test_sigterm_to_one_rank_saves_and_exits_cleanly_then_resumes_exactly(tmp_pa
     saved = snapshot.list_snapshots(run_dir / "snapshots")
     assert saved and "model.pt" not in os.listdir(run_dir)
     step = snapshot.load_snapshot(saved[-1])["global_step"]
-    assert 0 < step < 40 * 32
+    assert 0 < step < 60 * 32
     result = ddptrain("train", *args, "--nproc", "2", "--run-dir", str(run_dir))
     assert_ok(result)
     assert f"step {step}" in result.stdout

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import assert_ok, assert_same_weights, ddptrain, load_model
+from conftest import BIN, assert_ok, assert_same_weights, ddptrain, load_model, run
 
 EPOCHS = ["--max-epochs", "2"]
 
@@ -78,3 +78,21 @@ def test_unused_parameters_error_names_the_flag_and_the_flag_works(tmp_path):
     failed = ddptrain("train", *task, "--run-dir", str(tmp_path / "a"))
     assert failed.returncode == 1 and "pass --find-unused-parameters" in failed.stderr
     assert_ok(ddptrain("train", *task, "--find-unused-parameters", "--run-dir", str(tmp_path / "b")))
+
+
+@pytest.mark.slow
+def test_bench_smoke_prints_the_table(tmp_path):
+    """The benchmark's plumbing: its figures are not asserted, its table's shape is."""
+    result = run([str(BIN / "ddptrain"), "bench", "--smoke", "--reps", "1", "--jobs", "tutorial", "--ranks", "1,2",
+                  "--out", str(tmp_path)], timeout=300)
+    assert_ok(result)
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("job "))
+    for column in ("samples/s (min-max)", "vs bare", "vs floor", "first step", "scaling"):
+        assert column in lines[header]
+    rows = [line.split() for line in lines[header + 2:header + 8]]
+    expected = [("tutorial", n, c) for n in "12" for c in ("floor", "bare", "ddptrain")]
+    assert [(r[0], r[1], r[2]) for r in rows] == expected
+    saved = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert len(saved) == 6 and all(r["samples_per_s"] > 0 and r["first_step_s"] > 0 for r in saved)
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
