@@ -26,7 +26,7 @@ test-fast: dev
 	$(BIN)/pytest -q -m "not slow" tests
 
 lint: dev
-	$(BIN)/ruff check src tests examples benchmarks
+	$(BIN)/ruff check src tests examples benchmarks docs
 
 bench: install
 	$(BIN)/ddptrain bench
