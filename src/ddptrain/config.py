@@ -132,11 +132,6 @@ class RunConfig:
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> RunConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
-
 
 def default_run_dir() -> str:
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")

@@ -17,7 +17,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import tasks
 from .config import ConfigError, RunConfig, default_run_dir
-from .data import steps_per_epoch
 from .dist import check_comm_hook, process_group, resolve_device_kind
 from .environments import Environment, detect
 from .preemption import PREEMPTED_EXIT_CODE
@@ -65,7 +64,6 @@ def check_batch_fits(dataset_len: int, world_size: int, batch_size: int) -> None
         raise ConfigError(f"--batch-size {batch_size} is larger than a rank's share of the data "
                           f"({dataset_len} samples / {world_size} ranks = {share}); use "
                           f"--batch-size {share} or less")
-    assert steps_per_epoch(dataset_len, world_size, batch_size) >= 1
 
 
 def agree_on_run_dir(run_dir: str | None, env: Environment) -> str:
