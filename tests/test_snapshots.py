@@ -102,7 +102,7 @@ def test_truncated_newest_snapshot_falls_back_to_previous(killed_run, tmp_path, 
     newest.write_bytes(newest.read_bytes()[:1000])
     result = _resume(run_dir)
     assert_ok(result)
-    assert f"snapshot {newest} cannot be read" in result.stderr
+    assert f"ddptrain: rank 0: UserWarning: snapshot {newest} cannot be read" in result.stderr
     assert f"resumed from {previous}" in result.stdout
     assert_same_weights(load_model(run_dir), uninterrupted, exact=True)
 

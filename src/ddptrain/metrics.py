@@ -35,7 +35,7 @@ class RunningLoss:
         self.steps = 0
 
     def add(self, loss: torch.Tensor) -> None:
-        self.total += loss.detach().to(torch.float64)
+        self.total += loss.detach()  # one in-place add, promoted to float64
         self.steps += 1
 
     def restore(self, total: float, steps: int) -> None:
