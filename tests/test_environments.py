@@ -71,3 +71,11 @@ def test_expand_hostlist(text, hosts):
 
 def test_expand_tasks_per_node():
     assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+
+
+@pytest.mark.parametrize("spelling", [["--local-rank=1"], ["--local_rank", "1"]])
+def test_legacy_launcher_local_rank_argument_is_accepted(spelling):
+    from ddptrain.cli import build_parser
+
+    args = build_parser().parse_args(["train", *spelling])
+    assert args.local_rank == 1
