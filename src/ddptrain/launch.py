@@ -60,7 +60,7 @@ def launch_local(cfg: RunConfig, nproc: int, device_kind: str) -> int:
     port = os.environ.get("MASTER_PORT", "0")  # 0: the OS picks a free port, no clashes
     check_can_listen(addr, port)
     # A restarted rank must not reuse the previous attempt's store (gloo connectFullMesh
-    # failures, pytorch/pytorch#135712); measured here: 5 of 5 restarts work with this.
+    # failures or hangs, pytorch/pytorch#135712); the restart tests here pass with it.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),

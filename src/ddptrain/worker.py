@@ -53,7 +53,7 @@ def run_rank(cfg: RunConfig, local_rank_arg: int | None = None) -> Outcome:
 
 def show_warnings_with_rank(rank: int) -> None:
     """Warnings print as one line that says which rank raised them."""
-    def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
         print(f"ddptrain: rank {rank}: {category.__name__}: {message}", file=file or sys.stderr, flush=True)
     warnings.showwarning = show
 
