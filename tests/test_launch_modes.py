@@ -2,20 +2,14 @@
 torch.distributed.launch --use-env, two torchrun agents forming a two-node job, and the
 tutorial's two example scripts."""
 
-import socket
 
 import pytest
 
 from conftest import BIN, REPO, assert_ok, assert_same_weights, clean_env, ddptrain, load_model, run
+from ports import free_port
 
 TRAIN = ["train", "--max-epochs", "2", "--batch-size", "16", "--momentum", "0.9"]
 PY = str(BIN / "python")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

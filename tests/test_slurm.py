@@ -9,9 +9,9 @@ import subprocess
 import time
 
 import pytest
-from slurm_cluster import SlurmCluster
 
 from conftest import BIN, REPO, assert_ok, assert_same_weights, clean_env, ddptrain, load_model
+from slurm_cluster import SlurmCluster
 
 TRAIN = ["--max-epochs", "2", "--batch-size", "16", "--momentum", "0.9"]
 

@@ -15,6 +15,7 @@ import torch
 from ddptrain import snapshot
 
 from conftest import BIN, assert_ok, assert_same_weights, clean_env, ddptrain, load_model, run
+from ports import free_port
 
 ARGS = ["--max-epochs", "3", "--save-every", "5", "--momentum", "0.9"]
 
@@ -136,10 +137,7 @@ def test_snapshot_of_another_model_is_refused(killed_run, tmp_path):
 @pytest.mark.slow
 def test_run_dir_not_shared_between_nodes_is_a_clear_error(tmp_path, start):
     """Two torchrun 'nodes' in different folders: rank 1 cannot see rank 0's snapshot."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     agents = []
     for node in ("a", "b"):
         (tmp_path / node).mkdir()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -13,11 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ports import free_port
 
 
 def _rank_main(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple) -> None:
@@ -32,6 +27,6 @@ def _rank_main(rank: int, world: int, port: int, out: str, fn: Callable[..., Any
 def run_on_ranks(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
     """``fn(rank, world, *args)`` on each of ``world`` ranks; their return values, by rank."""
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank_main, args=(world, _free_port(), out, fn, args), nprocs=world,
+        mp.start_processes(_rank_main, args=(world, free_port(), out, fn, args), nprocs=world,
                            start_method="fork")
         return [torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(world)]

@@ -15,13 +15,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from ports import free_port
+
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_installed() -> None:
@@ -71,7 +67,7 @@ class SlurmCluster:
         return "\n".join([
             "ClusterName=ddptrain-test", f"SlurmctldHost={self.host}", "SlurmUser=root", "SlurmdUser=root",
             "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket}",
-            f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
             f"StateSaveLocation={self.root / 'state'}", f"SlurmdSpoolDir={self.root / 'spool'}",
             f"SlurmctldPidFile={self.root / 'slurmctld.pid'}", f"SlurmdPidFile={self.root / 'slurmd.pid'}",
             f"SlurmctldLogFile={logs / 'slurmctld.log'}", f"SlurmdLogFile={logs / 'slurmd.log'}",
