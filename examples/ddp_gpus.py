@@ -4,39 +4,29 @@
 
 One process per GPU (2 CPU processes when there is none). What changed from the notes:
 a free port instead of 12355, gloo/CPU without GPUs, the same seeded data on every rank,
-MSE instead of cross_entropy (which is 0 for one output), destroy on every exit path.
+MSE instead of cross_entropy (which is 0 for one output), no hang when a rank fails.
+Run it twice: each run starts afresh (resume="never"); the earlier run's files are moved
+aside, named in one line.
 """
 
 import argparse
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
 
-from ddptrain import RunConfig, Trainer
-from ddptrain.dist import process_group
-from ddptrain.environments import TorchrunEnvironment
-from ddptrain.tasks.regression import regression_task
+from ddptrain import RunConfig, Trainer, free_port, process_group
+from ddptrain.tasks import regression_task
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ddp_setup(rank: int, world_size: int, port: int):
+def ddp_setup(rank: int, world_size: int):
     """Rank `rank` of `world_size` joins the process group (nccl on GPUs, else gloo)."""
-    env = TorchrunEnvironment({"RANK": str(rank), "WORLD_SIZE": str(world_size),
-                               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    return process_group(env, device="auto", backend="auto", timeout_s=300)
+    return process_group(rank, world_size)
 
 
-def main(rank: int, world_size: int, max_epochs: int, batch_size: int, port: int, run_dir: str):
+def main(rank: int, world_size: int, max_epochs: int, batch_size: int, run_dir: str):
     cfg = RunConfig(max_epochs=max_epochs, batch_size=batch_size, run_dir=run_dir, resume="never")
-    with ddp_setup(rank, world_size, port) as ctx:
+    with ddp_setup(rank, world_size) as ctx:
         torch.manual_seed(cfg.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
         task = regression_task(cfg)  # 2048 samples x 20 features, identical on every rank
         trainer = Trainer(task, cfg, ctx)
@@ -51,5 +41,5 @@ if __name__ == "__main__":
     args = parser.parse_args()
     world_size = torch.cuda.device_count() or 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(main, args=(world_size, args.max_epochs, args.batch_size, free_port(), args.run_dir),
-             nprocs=world_size)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    mp.spawn(main, args=(world_size, args.max_epochs, args.batch_size, args.run_dir), nprocs=world_size)

@@ -4,7 +4,7 @@
     python -m torch.distributed.launch --use-env --nproc-per-node=2 \
         examples/ddp_gpus_torchrun.py --max_epochs 5 --batch_size 32
 
-The launcher sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; this script
+The launcher sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; process_group()
 only reads them. (`ddptrain train` does all of this for you, under any launcher.)
 """
 
@@ -12,15 +12,13 @@ import argparse
 
 import torch
 
-from ddptrain import RunConfig, Trainer
-from ddptrain.dist import process_group
-from ddptrain.environments import detect
-from ddptrain.tasks.regression import regression_task
+from ddptrain import RunConfig, Trainer, process_group
+from ddptrain.tasks import regression_task
 
 
 def main(max_epochs: int, batch_size: int, run_dir: str):
     cfg = RunConfig(max_epochs=max_epochs, batch_size=batch_size, run_dir=run_dir, resume="never")
-    with process_group(detect(), device="auto", backend="auto", timeout_s=300) as ctx:
+    with process_group() as ctx:
         torch.manual_seed(cfg.seed)
         trainer = Trainer(regression_task(cfg), cfg, ctx)
         trainer.train(max_epochs)

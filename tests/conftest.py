@@ -22,6 +22,9 @@ sys.path.insert(0, str(TESTS / "helpers"))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import ddptrain  # noqa: E402
+from ddptrain.report import read_metrics  # noqa: E402, F401 - re-exported for the tests
+
 # Set by pytest itself, or by torch when a module is first imported: not a test's doing.
 NOT_A_LEAK = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
 
@@ -85,9 +88,26 @@ def start():
         process.communicate()
 
 
-def ddptrain(*args: str, timeout: float = 180, env: dict[str, str] | None = None,
-             cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def ddptrain_cli(*args: str, timeout: float = 180, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """The real command, in a process of its own (launch, signal and exit paths)."""
     return run([str(BIN / "ddptrain"), *args], timeout=timeout, env=env, cwd=cwd)
+
+
+def fit(task, run_dir: Path, env: dict[str, str] | None = None, **options):
+    """``ddptrain.fit`` in this process: ranks are forked from the test process (no new
+    interpreter, torch already imported), the same path as ``ddptrain train``. ``env``:
+    variables the ranks see (the test helpers read them), removed afterwards."""
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        return ddptrain.fit(task, run_dir=str(run_dir), **{"nproc": 2, **options})
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def load_model(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -1,71 +1,125 @@
-"""Bad input: one line on stderr, exit status 2, no rank started, no traceback."""
+"""Bad input: one line on stderr naming the problem and the fix, exit status 2, no traceback,
+nothing left running. One table: flags, settings files, launcher variables, and the tasks
+only the ranks can check (those start real ranks, forked from this process)."""
 
-import contextlib
+import os
 
 import pytest
 
 from ddptrain.cli import main
 
-from conftest import clean_env, ddptrain
+TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+SLURM = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_NODELIST": "node[1-2]",
+         "SLURM_JOB_ID": "7", "SLURM_TASKS_PER_NODE": "2"}
+TASKS = "ddptrain_test_tasks:"
+
+# (arguments, environment, words the one line must hold); "{tmp}" is a scratch folder.
+CASES = [
+    # flags
+    (["--batch-size", "0"], {}, "--batch-size must be at least 1"),
+    (["--batch-size", "abc"], {}, "--batch-size needs a whole number"),
+    (["--max-epochs", "-1"], {}, "--max-epochs must be 0 or more"),
+    (["--nproc", "0"], {}, "--nproc must be at least 1"),
+    (["--nproc", "many"], {}, "--nproc must be a number or 'auto'"),
+    (["--frobnicate"], {}, "unrecognized arguments: --frobnicate"),
+    (["--lr", "-0.1"], {}, "--lr must be a finite number >= 0"),
+    (["--lr", "nan"], {}, "--lr must be a finite number >= 0"),
+    (["--momentum", "1"], {}, "--momentum must be in [0, 1)"),
+    (["--weight-decay", "-1"], {}, "--weight-decay must be a finite number >= 0"),
+    (["--timeout", "0"], {}, "--timeout must be a positive number"),
+    (["--keep", "0"], {}, "--keep must be at least 1"),
+    (["--save-every", "-1"], {}, "--save-every must be >= 0"),
+    (["--save-seconds", "-1"], {}, "--save-seconds must be a number >= 0"),
+    (["--max-restarts", "-1"], {}, "--max-restarts must be >= 0"),
+    (["--workers", "-1"], {}, "--workers must be >= 0"),
+    (["--warmup-steps", "-1"], {}, "--warmup-steps must be >= 0"),
+    (["--eval-every", "-1"], {}, "--eval-every must be >= 0"),
+    (["--grad-accum", "0"], {}, "--grad-accum must be at least 1"),
+    (["--skip-nonfinite", "-1"], {}, "--skip-nonfinite must be >= 0"),
+    (["--clip-grad", "0"], {}, "--clip-grad must be a finite number > 0"),
+    (["--bucket-cap-mb", "0"], {}, "--bucket-cap-mb must be a finite number > 0"),
+    (["--device", "tpu"], {}, "invalid choice: 'tpu'"),
+    (["--device", "cuda"], {}, "no CUDA GPU is visible"),
+    (["--backend", "nccl", "--device", "cpu"], {}, "--backend nccl needs CUDA"),
+    (["--comm-hook", "bf16", "--device", "cpu"], {}, "--comm-hook bf16 needs the nccl backend"),
+    (["--strategy", "zero"], {}, "invalid choice: 'zero'"),
+    (["--strategy", "fsdp", "--comm-hook", "fp16"], {}, "--comm-hook is a DDP option"),
+    (["--strategy", "fsdp", "--static-graph"], {}, "--static-graph is a DDP option"),
+    (["--strategy", "fsdp", "--bucket-cap-mb", "5"], {}, "--bucket-cap-mb is a DDP option"),
+    (["--strategy", "fsdp", "--find-unused-parameters"], {}, "--find-unused-parameters is a DDP option"),
+    (["--task", "nosuchtask"], {}, "unknown task"),
+    (["--task", ":"], {}, "not MODULE:FUNC"),
+    (["--task", TASKS + "nope"], {}, "has no function 'nope'"),
+    (["--task", "no_such_module_xyz:f"], {}, "cannot import 'no_such_module_xyz'"),
+    (["--resume", "/no/such/snapshot.pt"], {}, "no such snapshot"),
+    (["--resume", "{tmp}/notes.txt"], {}, "cannot be read"),
+    (["--run-dir", "/proc/x/run"], {}, "--run-dir /proc/x/run cannot be created"),
+    (["--run-dir", "{tmp}/notes.txt/run"], {}, "notes.txt is a file, not a folder"),
+    (["--config", "{tmp}/none.toml"], {}, "cannot read it"),
+    (["--config", "{tmp}/unknown.toml"], {}, "'bogus' is not a ddptrain setting"),
+    (["--config", "{tmp}/wrong.toml"], {}, "'max-epochs' needs a whole number"),
+    (["--config", "{tmp}/notes.txt"], {}, "not valid TOML"),
+    # launcher variables
+    ([], {**TORCHRUN, "RANK": "5"}, "RANK=5 is outside the world (WORLD_SIZE=2)"),
+    ([], {**TORCHRUN, "RANK": "one"}, "RANK='one' is not a whole number"),
+    ([], {**TORCHRUN, "WORLD_SIZE": "0"}, "WORLD_SIZE=0: the world needs at least one rank"),
+    ([], {**TORCHRUN, "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK=2 is outside this node's 2"),
+    ([], {**TORCHRUN, "MASTER_PORT": "99999"}, "MASTER_PORT=99999 is not a port"),
+    ([], {**TORCHRUN, "MASTER_ADDR": "no-such-host.invalid"}, "MASTER_ADDR='no-such-host.invalid' is not a known"),
+    ([], {"RANK": "1"}, "RANK is set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not"),
+    ([], {"MASTER_PORT": "99999"}, "MASTER_PORT=99999 is not a port (0-65535)"),
+    ([], {"MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not a whole number"),
+    ([], {"MASTER_ADDR": "no-such-host.invalid"}, "is not a known host"),
+    ([], {**SLURM, "SLURM_PROCID": "x"}, "SLURM_PROCID='x' is not a whole number"),
+    ([], {**SLURM, "SLURM_PROCID": "4"}, "SLURM_PROCID=4 is outside the world (SLURM_STEP_NUM_TASKS=2)"),
+    ([], {**SLURM, "SLURM_JOB_NODELIST": "node[1-"}, "SLURM_JOB_NODELIST='node[1-' is not a Slurm host list"),
+    ([], {**SLURM, "SLURM_TASKS_PER_NODE": "two"}, "cannot read Slurm tasks per node"),
+    # what only the ranks can know (real ranks start, and stop before any training step)
+    (["--batch-size", "2000"], {}, "--batch-size 2000 is larger than a rank's share of the data "
+                                   "(2048 samples / 2 ranks = 1024); use --batch-size 1024 or less"),
+    (["--task", TASKS + "not_a_task"], {}, "the factory returned str, not a ddptrain.Task"),
+    (["--task", TASKS + "both_loss_and_step"], {}, "Task has both loss_fn and step_fn"),
+    (["--task", TASKS + "neither_loss_nor_step"], {}, "Task has neither loss_fn nor step_fn"),
+    (["--task", TASKS + "non_scalar_step"], {}, "Task.step_fn returned (32, 1), not a scalar"),
+    (["--task", TASKS + "eval_without_samples"], {}, "Task.eval_fn must return a dict of per-batch sums with"),
+    (["--strategy", "fsdp"], {}, "--strategy fsdp needs blocks"),
+    (["--run-dir", "{tmp}/broken"], {}, "no usable snapshot in"),
+]
 
 
-@pytest.mark.parametrize("args,words", [
-    (["--batch-size", "0"], "--batch-size must be at least 1"),
-    (["--batch-size", "abc"], "--batch-size needs a whole number"),
-    (["--max-epochs", "-1"], "--max-epochs must be 0 or more"),
-    (["--nproc", "0"], "--nproc must be at least 1"),
-    (["--nproc", "many"], "--nproc must be a number or 'auto'"),
-    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
-    (["--task", "nosuchtask"], "unknown task"),
-    (["--task", "ddptrain_test_tasks:nope"], "has no function 'nope'"),
-    (["--task", "no_such_module_xyz:f"], "cannot import 'no_such_module_xyz'"),
-    (["--device", "cuda"], "no CUDA GPU is visible"),
-    (["--backend", "nccl", "--device", "cpu"], "--backend nccl needs CUDA"),
-    (["--lr", "-0.1"], "--lr must be a finite number >= 0"),
-    (["--lr", "nan"], "--lr must be a finite number >= 0"),
-    (["--timeout", "0"], "--timeout must be a positive number"),
-    (["--keep", "0"], "--keep must be at least 1"),
-    (["--resume", "/no/such/snapshot.pt"], "no such snapshot file"),
-    (["--device", "tpu"], "invalid choice: 'tpu'"),
-    (["--comm-hook", "bf16", "--device", "cpu"], "--comm-hook bf16 needs the nccl backend"),
-    (["--grad-accum", "0"], "--grad-accum must be at least 1"),
-])
-def test_bad_flag_is_one_line_and_exit_2(args, words, capsys):
-    with pytest.raises(SystemExit) if _is_argparse_error(words) else contextlib.nullcontext() as raised:
-        code = main(["train", *args])
-    code = raised.value.code if raised else code
-    err = capsys.readouterr().err
-    assert code == 2
+@pytest.mark.parametrize("args,env,words", CASES, ids=[" ".join(c[0]) or " ".join(c[1]) for c in CASES])
+def test_bad_input_is_one_line_exit_2(args, env, words, tmp_path, capfd, monkeypatch):
+    (tmp_path / "notes.txt").write_text("not a snapshot = [")
+    (tmp_path / "unknown.toml").write_text("bogus = 1\n")
+    (tmp_path / "wrong.toml").write_text('max-epochs = "five"\n')
+    (tmp_path / "broken" / "snapshots").mkdir(parents=True)
+    (tmp_path / "broken" / "snapshots" / "step-000000003.pt").write_bytes(b"\x00" * 10)
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "MASTER_")) or k in TORCHRUN]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    if "--run-dir" not in args:
+        args += ["--run-dir", str(tmp_path / "run")]
+    try:
+        code = main(["train", "--nproc", "2", "--max-epochs", "1", *args])
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    err = capfd.readouterr().err
+    assert code == 2, err
     assert len(err.strip().splitlines()) == 1, err
-    assert words in err and "Traceback" not in err
+    assert words in err and "Traceback" not in err, err
+    for pid_file in (tmp_path / "run" / "pids").glob("*.pid"):
+        assert not _alive(int(pid_file.read_text())), "a rank outlived the error"
 
 
-def _is_argparse_error(words: str) -> bool:
-    return any(w in words for w in ("unrecognized", "invalid choice", "needs a"))
-
-
-def test_unwritable_run_dir(tmp_path, capsys):
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    assert main(["train", "--run-dir", str(blocker / "run")]) == 2
-    assert "is a file, not a folder" in capsys.readouterr().err
-
-
-def test_real_command_exit_2_for_batch_larger_than_a_ranks_share(tmp_path):
-    """Checked inside the ranks (it needs the data set): still one line and exit 2."""
-    result = ddptrain("train", "--nproc", "2", "--batch-size", "2000", "--run-dir", str(tmp_path / "r"))
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines == ["ddptrain: error: --batch-size 2000 is larger than a rank's share of the data "
-                     "(2048 samples / 2 ranks = 1024); use --batch-size 1024 or less"], result.stderr
-    assert not (tmp_path / "r" / "model.pt").exists()
-
-
-def test_real_command_unknown_flag(tmp_path):
-    result = ddptrain("train", "--max_epochs", "2", "--bogus", env=clean_env())
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        "ddptrain train: error: unrecognized arguments: --bogus (see ddptrain train --help)"]
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited: it is not left running
+        return stat.read().split(")")[-1].split()[0] != "Z"
 
 
 def test_busy_master_port_is_one_line(monkeypatch, capsys):

@@ -4,11 +4,13 @@ import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from ddptrain.data import (
+    EvalBatches,
     ResumableDistributedSampler,
     TrainBatches,
     eval_batch_ranges,
     eval_shard,
     steps_per_epoch,
+    to_device,
 )
 
 DATA = TensorDataset(torch.arange(50, dtype=torch.float32).unsqueeze(1), torch.arange(50))
@@ -66,3 +68,60 @@ def test_eval_shards_are_disjoint_unpadded_and_cover():
     for world in (1, 2, 3, 7):
         shards = [list(eval_shard(len(ranges), r, world)) for r in range(world)]
         assert sorted(sum(shards, [])) == list(range(len(ranges)))
+
+
+def test_batches_of_any_structure_reach_the_device_with_other_leaves_untouched():
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "x y")
+    batch = {"ids": torch.ones(2, 3), "meta": ["a", "b"], "nested": (torch.zeros(2), 7, Pair(torch.ones(1), "s"))}
+    moved = to_device(batch, torch.device("cpu"))
+    assert moved.keys() == batch.keys() and moved["meta"] == ["a", "b"]
+    assert torch.equal(moved["ids"], batch["ids"]) and moved["nested"][1] == 7
+    assert isinstance(moved["nested"][2], Pair) and moved["nested"][2].y == "s"
+
+
+def _dict_collate(samples):
+    return {"x": torch.stack([s[0] for s in samples]), "y": torch.stack([s[1] for s in samples])}
+
+
+def test_eval_batches_are_the_same_through_the_fast_path_and_dataloader_workers():
+    """The evaluation shard of rank 1 of 3, batch 4: by index-gather, and by a DataLoader with 0 and 2 workers."""
+    fast = list(EvalBatches(DATA, 4, 1, 3, torch.device("cpu"), fast_path=True))
+    for workers in (0, 2):
+        slow = list(EvalBatches(DATA, 4, 1, 3, torch.device("cpu"), workers=workers, fast_path=False))
+        assert [n for n, _ in slow] == [n for n, _ in fast] == list(range(1, 13, 3))
+        for (_, a), (_, b) in zip(fast, slow):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+    with_collate = list(EvalBatches(DATA, 4, 1, 3, torch.device("cpu"), collate_fn=_dict_collate))
+    assert torch.equal(with_collate[0][1]["x"], fast[0][1][0])
+
+
+def test_sharded_models_get_equal_batch_counts_with_uncounted_padding():
+    counts = [len(list(EvalBatches(DATA, 4, r, 3, torch.device("cpu"), equal_counts=True))) for r in range(3)]
+    assert counts == [5, 5, 5]  # 13 batches: 5, 4, 4 real ones
+    padding = [n for n, _ in EvalBatches(DATA, 4, 2, 3, torch.device("cpu"), equal_counts=True)][-1]
+    assert padding == -1
+
+
+class _Epochs(torch.utils.data.Dataset):
+    def __init__(self):
+        self.epoch = None
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return torch.tensor([index, self.epoch])
+
+
+def test_a_data_set_with_set_epoch_hears_each_epoch_even_in_workers():
+    data = _Epochs()
+    sampler = ResumableDistributedSampler(data, 1, 0, 0)
+    batches = TrainBatches(data, sampler, 4, torch.device("cpu"), workers=2)
+    for epoch in (3, 4):
+        batches.set_epoch(epoch)
+        assert {int(e) for batch in batches for e in batch[:, 1]} == {epoch}

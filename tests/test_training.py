@@ -1,56 +1,62 @@
-"""Real 2-rank gloo runs of `ddptrain train`: the math, the files, the console."""
+"""Real 2-rank gloo runs: the files and the console of `ddptrain train`, and the math."""
 
 import json
 
 import pytest
 import torch
 
-from conftest import assert_ok, assert_same_weights, clean_env, ddptrain, load_model
+from conftest import assert_ok, assert_same_weights, ddptrain_cli, fit, load_model, read_metrics
+
+TASKS = "ddptrain_test_tasks:"
 
 
 @pytest.fixture(scope="module")
 def tutorial_run(tmp_path_factory):
+    """The tutorial's job through the real command, once, for several assertions."""
     run_dir = tmp_path_factory.mktemp("tutorial")
-    result = ddptrain("train", "--nproc", "2", "--max-epochs", "5", "--run-dir", str(run_dir),
-                      "--log-ranks")
+    result = ddptrain_cli("train", "--nproc", "2", "--max-epochs", "5", "--run-dir", str(run_dir), "--log-ranks")
     assert_ok(result)
     return run_dir, result
 
 
+@pytest.mark.slow
 def test_run_dir_holds_config_metrics_and_model(tutorial_run):
     run_dir, _ = tutorial_run
     config = json.loads((run_dir / "config.json").read_text())
     assert config["task"] == "regression" and config["batch_size"] == 32 and config["lr"] == 1e-3
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     assert [r["epoch"] for r in records] == [0, 1, 2, 3, 4]
     assert [r["step"] for r in records] == [32, 64, 96, 128, 160]  # 2048 / (2 x 32) per epoch
     assert all(r["samples_per_s"] > 0 for r in records)
+    assert all({"data_s", "compute_s", "collective_s", "stragglers"} <= set(r) for r in records)
     weights = torch.load(run_dir / "model.pt", weights_only=True)
     assert set(weights) == {"weight", "bias"}
     assert weights["weight"].shape == (1, 20) and weights["weight"].device.type == "cpu"
+    assert [p.name for p in (run_dir / "snapshots").iterdir()] == ["step-000000160.pt"]  # the end's
 
 
+@pytest.mark.slow
 def test_regression_loss_falls_every_epoch(tutorial_run):
-    run_dir, _ = tutorial_run
-    losses = [json.loads(line)["train_loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train_loss"] for r in read_metrics(tutorial_run[0])]
     assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
     assert losses[-1] < 0.5 * losses[0]
 
 
+@pytest.mark.slow
 def test_console_shows_one_line_per_epoch_and_per_rank_lines(tutorial_run):
     _, result = tutorial_run
     epoch_lines = [line for line in result.stdout.splitlines() if line.startswith("epoch ")]
     assert len(epoch_lines) == 5 and "train_loss" in epoch_lines[0] and "samples/s" in epoch_lines[0]
     for rank in (0, 1):
         assert f"[CPU:{rank}] Epoch:0|Batchsize:32|Steps:32" in result.stdout
+    assert result.stdout.count("summary") == 1  # rank 0 reports, the others do not
 
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_rank_with_double_batch(tmp_path):
     """DDP's averaged gradients: 2 ranks x batch 16 == 1 process x batch 32 over the same samples."""
-    for nproc, batch in (("2", "16"), ("1", "32")):
-        assert_ok(ddptrain("train", "--nproc", nproc, "--batch-size", batch, "--max-epochs", "3",
-                           "--momentum", "0.9", "--run-dir", str(tmp_path / nproc)))
+    fit("regression", tmp_path / "2", nproc=2, batch_size=16, max_epochs=3, momentum=0.9)
+    fit("regression", tmp_path / "1", nproc=1, batch_size=32, max_epochs=3, momentum=0.9)
     two, one = load_model(tmp_path / "2"), load_model(tmp_path / "1")
     assert_same_weights(two, one)
     assert not torch.equal(two["weight"], torch.nn.Linear(20, 1).weight)  # it trained
@@ -62,12 +68,9 @@ def test_each_epoch_ranks_see_disjoint_covering_shards(tmp_path):
     def record(name):
         out = tmp_path / name
         out.mkdir()
-        env = clean_env(RECORD_DIR=str(out), RECORD_SAMPLES="200")
-        assert_ok(ddptrain("train", "--task", "ddptrain_test_tasks:recording", "--nproc", "2",
-                           "--batch-size", "10", "--max-epochs", "2", "--run-dir", str(out / "run"),
-                           env=env))
-        return [[json.loads(line) for line in (out / f"rank-{r}.jsonl").read_text().splitlines()]
-                for r in (0, 1)]
+        fit(TASKS + "recording", out / "run", env={"RECORD_DIR": str(out), "RECORD_SAMPLES": "200"},
+            batch_size=10, max_epochs=2)
+        return [[json.loads(line) for line in (out / f"rank-{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
 
     ranks = record("first")
     for epoch in (0, 1):  # 10 steps of 10 samples per rank per epoch
@@ -77,3 +80,18 @@ def test_each_epoch_ranks_see_disjoint_covering_shards(tmp_path):
     epoch0, epoch1 = (sum(ranks[0][e * 10:(e + 1) * 10], []) for e in (0, 1))
     assert epoch0 != epoch1  # set_epoch reshuffled
     assert record("again") == ranks  # same seed, same order
+
+
+@pytest.mark.slow
+def test_grad_accumulation_equals_the_big_batch(tmp_path):
+    fit("regression", tmp_path / "accum", batch_size=8, grad_accum=4, max_epochs=2)
+    fit("regression", tmp_path / "big", batch_size=32, max_epochs=2)
+    assert_same_weights(load_model(tmp_path / "accum"), load_model(tmp_path / "big"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataloader_path_gives_bitwise_the_fast_path_weights(tmp_path, workers):
+    fit("regression", tmp_path / "fast", max_epochs=2)
+    fit(TASKS + "regression_via_dataloader", tmp_path / "loader", max_epochs=2, workers=workers)
+    assert_same_weights(load_model(tmp_path / "loader"), load_model(tmp_path / "fast"), exact=True)

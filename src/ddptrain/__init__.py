@@ -1,17 +1,30 @@
-"""ddptrain: PyTorch DistributedDataParallel training that works the same in every launch mode."""
+"""ddptrain: PyTorch DistributedDataParallel training that works the same in every launch mode.
+
+The public API (docs/api.md): ``fit`` trains a task from Python the way ``ddptrain train``
+does; ``Task`` describes what to train; ``RunConfig`` holds the settings; ``Trainer`` and
+``process_group`` are for scripts that start their ranks themselves (the tutorial's shape).
+"""
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from .config import ConfigError, RunConfig  # noqa: E402
 from .tasks.protocol import Task  # noqa: E402
 
-__all__ = ["ConfigError", "RunConfig", "Task", "Trainer", "__version__"]
+__all__ = ["ConfigError", "RunConfig", "Stopped", "Task", "Trainer", "TrainingFailed", "__version__",
+           "fit", "free_port", "process_group"]
+
+_LAZY = {  # these pull in torch.distributed: imported on first use
+    "Trainer": ("trainer", "Trainer"), "fit": ("api", "fit"), "TrainingFailed": ("api", "TrainingFailed"),
+    "Stopped": ("api", "Stopped"), "process_group": ("dist", "process_group"), "free_port": ("dist", "free_port"),
+}
 
 
-def __getattr__(name: str):  # Trainer pulls in torch.distributed; import it on first use
-    if name == "Trainer":
-        from .trainer import Trainer
-        return Trainer
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attribute = _LAZY[name]
+        return getattr(importlib.import_module(f".{module}", __name__), attribute)
     raise AttributeError(name)

@@ -1,21 +1,22 @@
 """``ddptrain train | env | report | bench``: parse, validate, then launch or run as one rank.
 
-Every mistake in the input is one line on stderr and exit status 2, before any rank starts.
+Every mistake in the input is one line on stderr and exit status 2, before any rank starts
+(or, when only the ranks can know it, before any training step).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-import types
-import typing
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .config import ConfigError, RunConfig, default_run_dir, parse_nproc, validate
+from .config import FIELDS, ConfigError, field_type, flag
+
+_KIND_NAMES = {int: "a whole number", float: "a number", str: "text"}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -25,41 +26,32 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _field_type(field: dataclasses.Field[Any]) -> type:
-    hint = typing.get_type_hints(RunConfig)[field.name]
-    if isinstance(hint, types.UnionType):  # "X | None"
-        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
-    return hint
-
-
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per RunConfig field, with its help text and default from the dataclass."""
-    for field in dataclasses.fields(RunConfig):
-        meta, kind = field.metadata, _field_type(field)
-        names = ["--" + field.name.replace("_", "-")]
-        if meta.get("alias"):
-            names.append(meta["alias"])
-        default = field.default
-        help_text = meta["help"] + ("" if default is None else f" (default: {default})")
-        if kind is bool:
-            parser.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction,
-                                default=default, help=meta["help"])
-        else:
-            parser.add_argument(*names, dest=field.name, type=_typed(kind, names[0]),
-                                default=default, choices=meta.get("choices"), help=help_text)
-
-
-_KIND_NAMES = {int: "a whole number", float: "a number", str: "text"}
-
-
-def _typed(kind: type, flag: str) -> Any:
+def _typed(kind: type, name: str) -> Any:
     def convert(text: str) -> Any:
         try:
             return kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} needs {_KIND_NAMES[kind]}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"{name} needs {_KIND_NAMES[kind]}, got {text!r}") from None
     convert.__name__ = kind.__name__
     return convert
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per RunConfig field, with its help text and default from the dataclass.
+
+    Flags not given stay out of the namespace (SUPPRESS), so a --config file's value is
+    kept unless the flag overrides it."""
+    for field in FIELDS.values():
+        meta, kind = field.metadata, field_type(field.name)
+        names = [flag(field.name)] + ([meta["alias"]] if meta.get("alias") else [])
+        default = field.default
+        if kind is bool:
+            parser.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=meta["help"])
+        else:
+            help_text = meta["help"] + ("" if default is None else f" (default: {default})")
+            parser.add_argument(*names, dest=field.name, type=_typed(kind, names[0]), default=argparse.SUPPRESS,
+                                choices=meta.get("choices"), help=help_text)
 
 
 def build_parser() -> OneLineParser:
@@ -68,6 +60,8 @@ def build_parser() -> OneLineParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     train = commands.add_parser("train", help="train a task on every local GPU (or CPU ranks), "
                                 "or as one rank under torchrun / srun")
+    train.add_argument("--config", default=None, help="settings from a TOML file (keys are the flag "
+                       "names) or a run's config.json; flags given here win")
     _add_config_flags(train)
     # torch.distributed.launch without --use-env passes this to every rank.
     train.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int,
@@ -75,35 +69,52 @@ def build_parser() -> OneLineParser:
     commands.add_parser("env", help="what torch, CUDA and the launcher look like from here")
     report = commands.add_parser("report", help="summary table and curves.png of a finished run")
     report.add_argument("run_dir", help="a run directory holding metrics.jsonl")
-    commands.add_parser("bench", help="benchmark ddptrain against hand-written DDP loops "
+    commands.add_parser("bench", help="benchmark ddptrain against hand-written DDP loops and peers "
                         "(see ddptrain bench --help)")
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)}
-    return RunConfig(**values)
+def given_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given as flags (not their defaults)."""
+    return {name: getattr(args, name) for name in FIELDS if hasattr(args, name)}
 
 
 def train(args: argparse.Namespace) -> int:
-    from . import tasks
-    from .dist import check_comm_hook, resolve_device_kind
+    from .api import execute, prepare
     from .environments import LocalEnvironment, detect
-    from .worker import exit_for, run_rank
+    from .launch import LaunchFailed
+    from .worker import exit_for
 
-    cfg = config_from_args(args)
-    validate(cfg)
-    tasks.resolve_factory(cfg.task)  # import errors before any rank starts
+    cfg, factory = prepare(None, given_options(args), args.config)
     env = detect(local_rank_arg=args.local_rank)
-    if not isinstance(env, LocalEnvironment):  # torchrun or srun started this process
-        return exit_for(run_rank(cfg, args.local_rank), is_main=env.rank == 0)
-    from .launch import auto_nproc, launch_local
+    if not isinstance(env, LocalEnvironment):  # torchrun or srun started this process: one rank
+        return _run_as_rank(cfg, args.local_rank, env.rank)
+    try:
+        return exit_for(execute(cfg, factory), is_main=True)
+    except LaunchFailed as failure:
+        print(str(failure), file=sys.stderr, flush=True)
+        return failure.exit_code
 
-    nproc = parse_nproc(cfg.nproc) or auto_nproc(cfg.device)
-    device_kind, backend = resolve_device_kind(cfg.device, cfg.backend, nproc)
-    check_comm_hook(cfg.comm_hook, backend)
-    cfg.run_dir = cfg.run_dir or default_run_dir()
-    return launch_local(cfg, nproc, device_kind)
+
+def _run_as_rank(cfg: Any, local_rank: int | None, rank: int) -> int:
+    """One rank under torchrun/srun: on failure, say so here (srun has no error files) and
+    exit at once, without tearing down a process group whose peers may be gone."""
+    from .api import execute
+    from .failures import SECONDARY
+    from .worker import exit_for, leave
+
+    try:
+        return exit_for(execute(cfg, None, local_rank), is_main=rank == 0)
+    except ConfigError:
+        raise
+    except BaseException as error:
+        if type(error).__name__ in SECONDARY:
+            print(f"ddptrain: {error}", file=sys.stderr, flush=True)
+        else:
+            print(f"ddptrain: rank {rank} failed; its traceback:\n{traceback.format_exc().rstrip()}",
+                  file=sys.stderr, flush=True)
+        leave(1)
+        raise  # not reached
 
 
 def report(args: argparse.Namespace) -> int:

@@ -1,25 +1,33 @@
-"""The run's configuration: one dataclass, one docstring per field, validated once.
+"""The run's configuration: one frozen dataclass, one help text per field, validated once.
 
-The command line is generated from these fields (cli.py), so a flag, its default and its
-help text live in exactly one place. Fields left at ``None`` take the task's default
-(see ``Task.defaults``) and then the global one, so ``config.json`` always records the
-values that were really used.
+The command line (cli.py), settings files (``--config FILE.toml`` or a run's own
+``config.json``) and ``ddptrain.fit(**options)`` all become a ``RunConfig`` through
+``from_options``, so a setting's name, type, default and help live in exactly one place.
+A ``RunConfig`` never changes once made: later stages derive new ones with
+``dataclasses.replace`` (the task's defaults, a resumed run's batch size), and
+``config.json`` records the values really used.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
-import time
+import re
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
 
 class ConfigError(ValueError):
-    """Bad input from the user: reported as one line, exit status 2, nothing started."""
+    """Bad input from the user: reported as one line, exit status 2, no training step run."""
 
 
 def _opt(help: str, *, choices: tuple[str, ...] | None = None, alias: str | None = None, **kw: Any) -> Any:
@@ -36,21 +44,27 @@ GLOBAL_DEFAULTS: dict[str, Any] = {
 }
 
 # Settings that change the math of a run: a snapshot taken under other values cannot be
-# resumed as if nothing happened (snapshot.py compares them).
+# resumed as if nothing happened (checkpointer.py compares them).
 MATH_FIELDS = ("task", "seed", "lr", "optimizer", "momentum", "weight_decay", "lr_schedule",
                "warmup_steps", "max_epochs", "global_batch", "grad_accum", "precision",
                "clip_grad")
 
+# Settings that do not define *which* run this is: changing them keeps the default run dir,
+# so the same command (or the same command with more epochs) finds its run again.
+NOT_IDENTITY = ("run_dir", "resume", "max_epochs", "progress", "tensorboard", "log_ranks",
+                "timeout", "max_restarts", "keep", "save_every", "save_seconds", "eval_every",
+                "workers")
 
-@dataclass
+
+@dataclass(frozen=True)
 class RunConfig:
     # --- what to train ------------------------------------------------------------------
     task: str = _opt("built-in task (regression, digits) or MODULE:FUNC, a factory of your own",
                      default="regression")
     max_epochs: int = _opt("epochs to train (0 evaluates the initial model and stops)",
                            default=5, alias="--max_epochs")
-    batch_size: int = _opt("samples per rank per optimizer step (the global batch is this x ranks)",
-                           default=32, alias="--batch_size")
+    batch_size: int = _opt("samples per rank per micro-batch; the global batch is this x ranks "
+                           "x --grad-accum", default=32, alias="--batch_size")
     lr: float | None = _opt("learning rate (default: the task's, else 1e-3)", default=None)
     optimizer: str | None = _opt("optimizer (default: the task's, else sgd)",
                                  choices=("sgd", "adamw"), default=None)
@@ -60,8 +74,9 @@ class RunConfig:
                             choices=("constant", "cosine", "linear"), default="constant")
     warmup_steps: int = _opt("steps of linear warm-up before the schedule", default=0)
     seed: int = _opt("seed for data, initial weights and shuffling (same on every rank)", default=0)
-    run_dir: str | None = _opt("where config, metrics, snapshots and model.pt go "
-                               "(default: a new folder under runs/)", default=None)
+    run_dir: str | None = _opt("where config, metrics, snapshots and model.pt go (default: "
+                               "runs/TASK-HASH, named after the task and the settings, so the "
+                               "same command finds its run again)", default=None)
 
     # --- where and how to run -----------------------------------------------------------
     nproc: str = _opt("local ranks when not under a launcher: a number, or auto "
@@ -69,32 +84,46 @@ class RunConfig:
     device: str = _opt("compute device", choices=("auto", "cpu", "cuda"), default="auto")
     backend: str = _opt("process-group backend (auto: nccl on CUDA, else gloo)",
                         choices=("auto", "gloo", "nccl"), default="auto")
-    timeout: float = _opt("seconds a collective may wait for the other ranks before the job fails",
-                          default=300.0)
+    timeout: float = _opt("seconds every rank may take to reach a collective (start-up, a step, "
+                          "an evaluation) before the job stops and names the rank that did not "
+                          "arrive", default=300.0)
     max_restarts: int = _opt("restarts of all local ranks after a failure (local launch; under "
                              "torchrun use its own --max-restarts)", default=0)
-    workers: int = _opt("DataLoader worker processes per rank (data sets that are not "
-                        "in-memory tensors)", default=0)
+    workers: int = _opt("DataLoader worker processes per rank, for training and evaluation "
+                        "(data sets that are not in-memory tensors)", default=0)
+    strategy: str = _opt("ddp replicates the model on every rank; fsdp shards parameters, "
+                         "gradients and optimizer state (FSDP2)", choices=("ddp", "fsdp"), default="ddp")
+    reshard_after_forward: bool = _opt("fsdp: free gathered parameters after the forward pass "
+                                       "(less memory, one more all-gather in backward)", default=True)
+    activation_checkpointing: bool = _opt("recompute each block's activations in backward "
+                                          "instead of keeping them (less memory, more compute)",
+                                          default=False)
 
     # --- snapshots ----------------------------------------------------------------------
-    save_every: int = _opt("write a snapshot every N optimizer steps (0: only at epoch ends "
-                           "and at the end)", default=0)
+    save_every: int = _opt("also write a snapshot every N optimizer steps (0: off)", default=0)
+    save_seconds: float = _opt("write a snapshot when this many seconds of training passed since "
+                               "the last one (stretched so snapshots cost at most 2%% of training "
+                               "time; 0: off); snapshots are also written at the end and on a "
+                               "stop signal", default=60.0)
     keep: int = _opt("snapshots kept in RUN_DIR/snapshots", default=2)
-    resume: str = _opt("auto (newest complete snapshot in the run dir), never, or a snapshot path",
-                       default="auto")
+    resume: str = _opt("auto (newest complete snapshot in the run dir), never (a fresh start; an "
+                       "earlier run's files there are moved aside), or a snapshot path", default="auto")
 
-    # --- speed and precision ------------------------------------------------------------
+    # --- speed, precision and numerics -------------------------------------------------
     precision: str = _opt("autocast precision", choices=("fp32", "bf16", "fp16"), default="fp32")
-    grad_accum: int = _opt("micro-batches accumulated per optimizer step (no_sync on all but "
-                           "the last)", default=1)
+    grad_accum: int = _opt("micro-batches accumulated per optimizer step (gradients are "
+                           "synchronised on the last one only)", default=1)
     clip_grad: float | None = _opt("clip the global gradient norm to this value", default=None)
-    comm_hook: str = _opt("DDP communication hook",
+    skip_nonfinite: int = _opt("skip optimizer steps whose loss or gradient is not finite, on every "
+                               "rank together, and stop after this many (0: stop at the first)",
+                               default=0)
+    comm_hook: str = _opt("ddp: gradient communication hook",
                           choices=("none", "fp16", "bf16", "powersgd"), default="none")
-    compile: bool = _opt("torch.compile the model before wrapping it in DDP", default=False)
-    static_graph: bool = _opt("tell DDP the graph is the same every step", default=False)
-    bucket_cap_mb: float | None = _opt("DDP gradient bucket size in MiB (default: DDP's 25)",
+    compile: bool = _opt("torch.compile the model before wrapping it", default=False)
+    static_graph: bool = _opt("ddp: tell DDP the graph is the same every step", default=False)
+    bucket_cap_mb: float | None = _opt("ddp: gradient bucket size in MiB (default: DDP's own, 25)",
                                        default=None)
-    find_unused_parameters: bool = _opt("let DDP handle parameters that get no gradient "
+    find_unused_parameters: bool = _opt("ddp: handle parameters that get no gradient "
                                         "(slower; only for models that need it)", default=False)
 
     # --- evaluation and reporting -------------------------------------------------------
@@ -107,15 +136,15 @@ class RunConfig:
 
     # ---------------------------------------------------------------------------------------
     def hparam(self, name: str) -> Any:
-        """A hyper-parameter as resolved: the flag, else GLOBAL_DEFAULTS."""
+        """A hyper-parameter as resolved: the setting, else GLOBAL_DEFAULTS."""
         value = getattr(self, name)
         return GLOBAL_DEFAULTS[name] if value is None else value
 
-    def with_task_defaults(self, defaults: dict[str, Any]) -> RunConfig:
-        """Fill fields the user left unset with the task's choices, then the global ones."""
+    def with_task_defaults(self, defaults: Mapping[str, Any]) -> RunConfig:
+        """Fill settings the user left unset with the task's choices, then the global ones."""
         unknown = set(defaults) - set(GLOBAL_DEFAULTS)
         if unknown:
-            raise ConfigError(f"task defaults name unknown settings {sorted(unknown)}; "
+            raise ConfigError(f"Task.defaults names unknown settings {sorted(unknown)}; "
                               f"allowed: {sorted(GLOBAL_DEFAULTS)}")
         filled = {k: (defaults.get(k, GLOBAL_DEFAULTS[k]) if getattr(self, k) is None
                       else getattr(self, k)) for k in GLOBAL_DEFAULTS}
@@ -125,16 +154,106 @@ class RunConfig:
         """The settings a snapshot must share with the run that resumes it."""
         values = {k: getattr(self, k) for k in MATH_FIELDS if k != "global_batch"}
         values["global_batch"] = self.batch_size * world_size * self.grad_accum
-        if self.lr_schedule == "constant":  # more epochs only extend a constant schedule
-            del values["max_epochs"]
+        if self.lr_schedule == "constant" and self.warmup_steps == 0:
+            del values["max_epochs"]  # more epochs only extend a constant schedule
         return values
+
+    def identity(self) -> dict[str, Any]:
+        """The settings that say which run this is (the default run dir is named after them)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in NOT_IDENTITY}
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
 
-def default_run_dir() -> str:
-    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
+FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(RunConfig)}
+
+
+def field_type(name: str) -> type:
+    """A field's value type, without the ``| None``."""
+    hint = typing.get_type_hints(RunConfig)[name]
+    if isinstance(hint, types.UnionType):
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    return hint
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+_KIND_NAMES = {int: "a whole number", float: "a number", str: "text", bool: "true or false"}
+
+
+def coerce(name: str, value: Any, where: str) -> Any:
+    """``value`` as field ``name``'s type; ConfigError naming ``where`` (a flag, a key) if it is not one."""
+    kind = field_type(name)
+    optional = FIELDS[name].default is None
+    if value is None and optional:
+        return None
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            raise ValueError
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind is str and isinstance(value, (str, int)) and not isinstance(value, bool):
+            return str(value)  # nproc = 2 in a file means "2"
+        if isinstance(value, str) and kind in (int, float):
+            return kind(value)
+        raise ValueError
+    except ValueError:
+        raise ConfigError(f"{where} needs {_KIND_NAMES[kind]}, got {value!r}") from None
+
+
+def from_options(options: Mapping[str, Any], where: str = "option") -> RunConfig:
+    """A RunConfig from ``{field name or flag name: value}``; ConfigError for unknown names or bad values."""
+    values = {}
+    for key, value in options.items():
+        name = key.removeprefix("--").replace("-", "_")
+        if name not in FIELDS:
+            close = [flag(n) for n in FIELDS if n.startswith(name[:4])][:3]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ConfigError(f"{where} {key!r} is not a ddptrain setting{hint}; "
+                              "`ddptrain train --help` lists them")
+        values[name] = coerce(name, value, f"{where} {key!r}")
+    choices = {n: f.metadata["choices"] for n, f in FIELDS.items() if f.metadata["choices"]}
+    for name, value in values.items():
+        if name in choices and value is not None and value not in choices[name]:
+            raise ConfigError(f"{where} {name!r} must be one of {', '.join(choices[name])}, got {value!r}")
+    return RunConfig(**values)
+
+
+def read_settings_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Settings from a TOML file (keys are flag names) or a run's own config.json."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"--config {path}: cannot read it ({error.strerror}); give a TOML file "
+                          "or a run's config.json") from None
+    try:
+        settings = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as error:
+        raise ConfigError(f"--config {path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'} "
+                          f"({str(error).splitlines()[0]})") from None
+    if not isinstance(settings, dict):
+        raise ConfigError(f"--config {path}: expected a table of settings")
+    nested = [k for k, v in settings.items() if isinstance(v, dict)]
+    if nested:
+        raise ConfigError(f"--config {path}: [{nested[0]}] is a table; ddptrain settings are "
+                          "top-level keys such as max-epochs = 5")
+    return settings
+
+
+def default_run_dir(cfg: RunConfig) -> str:
+    """``runs/TASK-HASH``: the same settings give the same folder, other settings another."""
+    identity = json.dumps(cfg.identity(), sort_keys=True, default=str)
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:8]
+    name = re.sub(r"[^A-Za-z0-9_.]+", "-", cfg.task.replace(":", ".")).strip("-.") or "task"
+    return os.path.join("runs", f"{name}-{digest}")
 
 
 def parse_nproc(value: str) -> int | None:
@@ -152,45 +271,67 @@ def parse_nproc(value: str) -> int | None:
 
 def validate(cfg: RunConfig) -> None:
     """Checks that need nothing but the config. Raises ConfigError with a one-line fix."""
+    def finite(value: float | None) -> bool:
+        return value is None or math.isfinite(value)
+
     checks = [
         (cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}"),
         (cfg.max_epochs >= 0, f"--max-epochs must be 0 or more, got {cfg.max_epochs}"),
-        (cfg.lr is None or (math.isfinite(cfg.lr) and cfg.lr >= 0),
-         f"--lr must be a finite number >= 0, got {cfg.lr}"),
+        (finite(cfg.lr) and (cfg.lr is None or cfg.lr >= 0), f"--lr must be a finite number >= 0, got {cfg.lr}"),
         (math.isfinite(cfg.timeout) and cfg.timeout > 0,
          f"--timeout must be a positive number of seconds, got {cfg.timeout}"),
         (cfg.momentum is None or 0 <= cfg.momentum < 1, f"--momentum must be in [0, 1), got {cfg.momentum}"),
-        (cfg.weight_decay is None or cfg.weight_decay >= 0,
-         f"--weight-decay must be >= 0, got {cfg.weight_decay}"),
+        (finite(cfg.weight_decay) and (cfg.weight_decay is None or cfg.weight_decay >= 0),
+         f"--weight-decay must be a finite number >= 0, got {cfg.weight_decay}"),
         (cfg.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {cfg.warmup_steps}"),
         (cfg.workers >= 0, f"--workers must be >= 0, got {cfg.workers}"),
-        (cfg.save_every >= 0, f"--save-every must be >= 0 (0: epoch ends only), got {cfg.save_every}"),
+        (cfg.save_every >= 0, f"--save-every must be >= 0 (0: off), got {cfg.save_every}"),
+        (math.isfinite(cfg.save_seconds) and cfg.save_seconds >= 0,
+         f"--save-seconds must be a number >= 0 (0: off), got {cfg.save_seconds}"),
         (cfg.keep >= 1, f"--keep must be at least 1, got {cfg.keep}"),
         (cfg.max_restarts >= 0, f"--max-restarts must be >= 0, got {cfg.max_restarts}"),
         (cfg.eval_every >= 0, f"--eval-every must be >= 0, got {cfg.eval_every}"),
         (cfg.grad_accum >= 1, f"--grad-accum must be at least 1, got {cfg.grad_accum}"),
-        (cfg.clip_grad is None or cfg.clip_grad > 0, f"--clip-grad must be > 0, got {cfg.clip_grad}"),
-        (cfg.bucket_cap_mb is None or cfg.bucket_cap_mb > 0,
-         f"--bucket-cap-mb must be > 0, got {cfg.bucket_cap_mb}"),
+        (cfg.skip_nonfinite >= 0, f"--skip-nonfinite must be >= 0 (0: stop at the first), got {cfg.skip_nonfinite}"),
+        (cfg.clip_grad is None or (math.isfinite(cfg.clip_grad) and cfg.clip_grad > 0),
+         f"--clip-grad must be a finite number > 0, got {cfg.clip_grad}"),
+        (cfg.bucket_cap_mb is None or (math.isfinite(cfg.bucket_cap_mb) and cfg.bucket_cap_mb > 0),
+         f"--bucket-cap-mb must be a finite number > 0, got {cfg.bucket_cap_mb}"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
     parse_nproc(cfg.nproc)
-    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_file():
-        raise ConfigError(f"--resume {cfg.resume}: no such snapshot file; "
+    _check_strategy_options(cfg)
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
+        raise ConfigError(f"--resume {cfg.resume}: no such snapshot; "
                           "use auto, never, or the path of a snapshot")
-    _check_run_dir_writable(cfg.run_dir)
 
 
-def _check_run_dir_writable(run_dir: str | None) -> None:
-    if run_dir is None:
+# DDP-only settings and the value that means "not used".
+DDP_ONLY = {"comm_hook": "none", "static_graph": False, "bucket_cap_mb": None, "find_unused_parameters": False}
+
+
+def _check_strategy_options(cfg: RunConfig) -> None:
+    if cfg.strategy != "fsdp":
         return
+    used = [flag(name) for name, off in DDP_ONLY.items() if getattr(cfg, name) != off]
+    if used:
+        raise ConfigError(f"{used[0]} is a DDP option and does nothing with --strategy fsdp; "
+                          "drop it or use --strategy ddp")
+
+
+def make_run_dir(run_dir: str) -> None:
+    """Create the run dir now, so a folder that cannot be made is a one-line error before any rank starts."""
     path = Path(run_dir)
-    existing = next((p for p in [path, *path.parents] if p.exists()), Path("."))
-    if not existing.is_dir():
-        raise ConfigError(f"--run-dir {run_dir}: {existing} is a file, not a folder; "
-                          "choose another --run-dir")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"--run-dir {run_dir}: {existing} is not writable; "
-                          "choose a folder you can write to")
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--run-dir {run_dir} is a file, not a folder; choose another --run-dir")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        reason = f"{blocker} is a file, not a folder" if blocker else error.strerror
+        raise ConfigError(f"--run-dir {run_dir} cannot be created ({reason}); choose a folder "
+                          "you can write to") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"--run-dir {run_dir} is not writable; choose a folder you can write to")

@@ -1,26 +1,33 @@
-"""Process-group setup for one rank: device, backend, threads, init and teardown.
+"""Process-group setup for one rank: device, backend, threads, the store, init and teardown.
 
 The tutorial's ``ddp_setup`` hard-codes nccl, ``cuda.set_device`` and port 12355; here the
 device and backend follow what the machine has, and the address comes from the launcher.
+
+The rank connects to the job's key-value store (the TCPStore that ``init_process_group``
+would create) *before* it builds its task, and the process group is built on that store.
+The watchdog (watchdog.py) uses its own connection to the same store from the first second
+of a rank's life, so a rank that hangs or fails during start-up is noticed and named too.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .config import ConfigError
-from .environments import Environment
+from .environments import Environment, TorchrunEnvironment, detect
 
-# The first collectives (DDP's broadcast of rank 0's weights) wait for every rank to build
-# its task, which can take long on a busy machine; the configured timeout applies after.
-STARTUP_TIMEOUT_S = 900.0
+# torch's own collective timeout is a backstop behind the watchdog, which acts at --timeout
+# and names the rank that did not arrive; torch's error would blame the rank that waited.
+BACKSTOP_EXTRA_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,7 @@ class DistContext:
     local_world_size: int
     device: torch.device
     backend: str
+    watchdog: Any = None  # watchdog.Watchdog: marks collectives, names ranks that hang
 
     @property
     def is_main(self) -> bool:
@@ -50,7 +58,7 @@ def cuda_count() -> int:
 
 
 def resolve_device_kind(device: str, backend: str, local_world_size: int) -> tuple[str, str]:
-    """(``cpu``|``cuda``, ``gloo``|``nccl``) for the flags; ConfigError if impossible."""
+    """(``cpu``|``cuda``, ``gloo``|``nccl``) for the settings; ConfigError if impossible."""
     gpus = cuda_count()
     if device == "cuda" and gpus == 0:
         raise ConfigError("--device cuda: no CUDA GPU is visible here; use --device cpu or auto")
@@ -81,31 +89,106 @@ def set_cpu_threads(local_world_size: int) -> None:
     torch.set_num_threads(max(1, cores // max(1, local_world_size)))
 
 
-@contextmanager
-def process_group(env: Environment, device: str, backend: str, timeout_s: float) -> Iterator[DistContext]:
-    """Join the job's process group for the duration of the block, and always leave it."""
-    device_kind, backend = resolve_device_kind(device, backend, env.local_world_size)
+def uses_agent_store() -> bool:
+    """torchrun's agent hosts the store and every rank is its client (torch's own rule)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def hosts_store(env: Environment) -> bool:
+    """Whether this rank's process serves the job's store (rank 0, unless torchrun's agent does)."""
+    return not uses_agent_store() and env.rank == 0
+
+
+def connect_store(env: Environment, timeout_s: float) -> dist.Store:
+    """The job's store: rank 0 hosts it (or torchrun's agent does); the others connect.
+
+    ``wait_for_workers=False``: rank 0 does not block here until every rank has connected,
+    so its watchdog runs while a late rank is still starting (and can name it)."""
+    timeout = datetime.timedelta(seconds=timeout_s + BACKSTOP_EXTRA_S)
+    return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=hosts_store(env),
+                         timeout=timeout, wait_for_workers=False, multi_tenant=True)
+
+
+def init_device(device_kind: str, env: Environment) -> torch.device:
     if device_kind == "cuda":
-        torch_device = torch.device("cuda", env.local_rank)
-        torch.cuda.set_device(torch_device)
-    else:
-        torch_device = torch.device("cpu")
-        set_cpu_threads(env.local_world_size)
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+        return device
+    set_cpu_threads(env.local_world_size)
+    return torch.device("cpu")
+
+
+@contextmanager
+def joined(env: Environment, device_kind: str, backend: str, timeout_s: float, store: dist.Store,
+           watchdog: Any = None) -> Iterator[DistContext]:
+    """Join the job's process group on ``store`` for the duration of the block.
+
+    On success every rank leaves the group. After an error it is left as it is: tearing
+    down a group whose peer died can block forever (gloo waits for the peer's half of a
+    pending operation), and a failed rank exits at once anyway (worker.py)."""
+    device = init_device(device_kind, env)
     env.export()
+    if watchdog is not None:
+        watchdog.arrive("start-up: joining the process group")
     dist.init_process_group(
-        backend=backend, init_method="env://", rank=env.rank, world_size=env.world_size,
-        timeout=datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)),
-        device_id=torch_device if device_kind == "cuda" else None,
+        backend=backend, store=dist.PrefixStore("default_pg", store), rank=env.rank,
+        world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s + BACKSTOP_EXTRA_S),
+        device_id=device if device_kind == "cuda" else None,
     )
+    if watchdog is not None:
+        watchdog.depart()
+    yield DistContext(env.rank, env.world_size, env.local_rank, env.local_world_size, device, backend, watchdog)
+    dist.destroy_process_group()  # not reached after an error: see above
+
+
+@contextmanager
+def process_group(rank: int | None = None, world_size: int | None = None, *, device: str = "auto",
+                  backend: str = "auto", timeout: float = 300.0) -> Iterator[DistContext]:
+    """The tutorial's ``ddp_setup`` for scripts that build a ``Trainer`` themselves.
+
+    Under torchrun, ``torch.distributed.launch --use-env`` or srun, call it with no
+    arguments: the launcher's variables say who this process is. With ``mp.spawn``, pass
+    ``rank`` and ``world_size`` and set ``MASTER_ADDR``/``MASTER_PORT`` before spawning
+    (``free_port()`` finds a port)."""
+    if rank is None:
+        env = detect()
+    else:
+        env = TorchrunEnvironment({"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                                   "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                                   "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                   "MASTER_PORT": os.environ.get("MASTER_PORT", "29500")})
+    from .watchdog import Watchdog
+
+    env.validate()
+    device_kind, backend = resolve_device_kind(device, backend, env.local_world_size)
+    store = connect_store(env, timeout)
+    watchdog = Watchdog(env, timeout, run_dir=None, hosts_store=hosts_store(env)).start()
     try:
-        yield DistContext(env.rank, env.world_size, env.local_rank, env.local_world_size,
-                          torch_device, backend)
+        with joined(env, device_kind, backend, timeout, store, watchdog) as ctx:
+            yield ctx
+    except BaseException as error:
+        watchdog.report_failure(error)  # the other ranks stop now instead of at the timeout
+        raise
     finally:
-        dist.destroy_process_group()
+        watchdog.stop()
 
 
 def apply_step_timeout(timeout_s: float) -> None:
-    """After start-up, collectives fail after the configured timeout instead of the long one."""
+    """After start-up, torch's own timeout backs up the watchdog at the configured value."""
     setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if setter is not None:  # private in torch 2.x; without it the start-up timeout stays
-        setter(datetime.timedelta(seconds=timeout_s))
+        setter(datetime.timedelta(seconds=timeout_s + BACKSTOP_EXTRA_S))
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """``obj`` from rank ``src``, on every rank (the argument is ignored elsewhere)."""
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src, group=group)
+    return holder[0]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (for MASTER_PORT with mp.spawn)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]

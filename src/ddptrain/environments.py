@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Mapping
+
+from .config import ConfigError
 
 
 class Environment:
@@ -48,6 +51,34 @@ class Environment:
     def master_port(self) -> int:
         raise NotImplementedError
 
+    def validate(self) -> None:
+        """ConfigError naming the variable when this launcher's variables cannot describe a rank."""
+        for name in ("rank", "world_size", "local_rank", "local_world_size", "master_port"):
+            getattr(self, name)  # each property names its variable when it cannot be read
+        if self.world_size < 1:
+            raise ConfigError(f"{self.world_var}={self.world_size}: the world needs at least one rank")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"{self.rank_var}={self.rank} is outside the world ({self.world_var}="
+                              f"{self.world_size}): ranks are 0 to {self.world_size - 1}")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ConfigError(f"{self.local_rank_var}={self.local_rank} is outside this node's "
+                              f"{self.local_world_size} rank(s): local ranks are 0 to {self.local_world_size - 1}")
+        if not 1 <= self.master_port <= 65535:
+            raise ConfigError(f"MASTER_PORT={self.master_port} is not a port (1-65535); "
+                              "set it to a free port, or unset it where ddptrain may choose one")
+        check_resolvable(self.master_addr, "MASTER_ADDR")
+
+    # The variables the messages name (each launcher spells them its own way).
+    rank_var, world_var, local_rank_var = "RANK", "WORLD_SIZE", "LOCAL_RANK"
+
+    def _int(self, name: str) -> int:
+        value = self.env[name]
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{name}={value!r} is not a whole number; the launcher sets it, "
+                              f"or unset it to let ddptrain start the ranks") from None
+
     def describe(self) -> dict[str, object]:
         return {"launcher": self.name, "rank": self.rank, "world_size": self.world_size,
                 "local_rank": self.local_rank, "local_world_size": self.local_world_size,
@@ -72,22 +103,22 @@ class TorchrunEnvironment(Environment):
 
     @property
     def rank(self) -> int:
-        return int(self.env["RANK"])
+        return self._int("RANK")
 
     @property
     def world_size(self) -> int:
-        return int(self.env["WORLD_SIZE"])
+        return self._int("WORLD_SIZE")
 
     @property
     def local_rank(self) -> int:
         # torch.distributed.launch without --use-env passes --local-rank=N instead.
         if "LOCAL_RANK" in self.env:
-            return int(self.env["LOCAL_RANK"])
+            return self._int("LOCAL_RANK")
         return self.local_rank_arg if self.local_rank_arg is not None else 0
 
     @property
     def local_world_size(self) -> int:
-        return int(self.env.get("LOCAL_WORLD_SIZE", self.world_size))
+        return self._int("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in self.env else self.world_size
 
     @property
     def master_addr(self) -> str:
@@ -95,13 +126,14 @@ class TorchrunEnvironment(Environment):
 
     @property
     def master_port(self) -> int:
-        return int(self.env["MASTER_PORT"])
+        return self._int("MASTER_PORT")
 
 
 class SlurmEnvironment(Environment):
     """One task per rank started by ``srun``: rank and world size come from Slurm."""
 
     name = "slurm"
+    rank_var, world_var, local_rank_var = "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID"
 
     @classmethod
     def detect(cls, env: Mapping[str, str]) -> bool:
@@ -112,35 +144,47 @@ class SlurmEnvironment(Environment):
 
     @property
     def rank(self) -> int:
-        return int(self.env["SLURM_PROCID"])
+        return self._int("SLURM_PROCID")
 
     @property
     def world_size(self) -> int:
-        return int(self.env.get("SLURM_STEP_NUM_TASKS", self.env["SLURM_NTASKS"]))
+        return self._int("SLURM_STEP_NUM_TASKS")
 
     @property
     def local_rank(self) -> int:
-        return int(self.env.get("SLURM_LOCALID", 0))
+        return self._int("SLURM_LOCALID") if "SLURM_LOCALID" in self.env else 0
 
     @property
     def local_world_size(self) -> int:
-        per_node = self.env.get("SLURM_STEP_TASKS_PER_NODE") or self.env.get("SLURM_TASKS_PER_NODE", "1")
-        node = int(self.env.get("SLURM_NODEID", 0))
-        return expand_tasks_per_node(per_node)[node]
+        name = "SLURM_STEP_TASKS_PER_NODE" if "SLURM_STEP_TASKS_PER_NODE" in self.env else "SLURM_TASKS_PER_NODE"
+        node = self._int("SLURM_NODEID") if "SLURM_NODEID" in self.env else 0
+        try:
+            counts = expand_tasks_per_node(self.env.get(name, "1"))
+        except ValueError as error:
+            raise ConfigError(f"{name}: {error}") from None
+        if not 0 <= node < len(counts):
+            raise ConfigError(f"SLURM_NODEID={node} but {name}={self.env.get(name)!r} lists {len(counts)} node(s)")
+        return counts[node]
 
     @property
     def master_addr(self) -> str:
+        """MASTER_ADDR if set, else the first host of this job step (srun's own node list),
+        else of the job."""
         if "MASTER_ADDR" in self.env:
             return self.env["MASTER_ADDR"]
-        nodes = self.env.get("SLURM_STEP_NODELIST") or self.env["SLURM_JOB_NODELIST"]
-        return expand_hostlist(nodes)[0]
+        name = "SLURM_STEP_NODELIST" if self.env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
+        try:
+            return expand_hostlist(self.env[name])[0]
+        except (ValueError, IndexError):
+            raise ConfigError(f"{name}={self.env[name]!r} is not a Slurm host list; "
+                              "set MASTER_ADDR to the first node's address") from None
 
     @property
     def master_port(self) -> int:
         if "MASTER_PORT" in self.env:
-            return int(self.env["MASTER_PORT"])
+            return self._int("MASTER_PORT")
         # Every task of the job derives the same port; different jobs get different ones.
-        job_id = int(self.env.get("SLURM_JOB_ID", "0"))
+        job_id = self._int("SLURM_JOB_ID") if "SLURM_JOB_ID" in self.env else 0
         return 15000 + job_id % 20000
 
 
@@ -157,23 +201,52 @@ class LocalEnvironment(Environment):
     local_rank = 0  # type: ignore[assignment]
     world_size = 1  # type: ignore[assignment]
     local_world_size = 1  # type: ignore[assignment]
-    master_addr = "127.0.0.1"  # type: ignore[assignment]
+
+    @property
+    def master_addr(self) -> str:  # type: ignore[override]
+        return self.env.get("MASTER_ADDR", "127.0.0.1")
 
     @property
     def master_port(self) -> int:
-        return int(self.env.get("MASTER_PORT", 0))
+        return self._int("MASTER_PORT") if "MASTER_PORT" in self.env else 0
+
+    def validate(self) -> None:
+        """Where the local ranks meet: MASTER_ADDR/MASTER_PORT when set (0: the OS picks a port)."""
+        if not 0 <= self.master_port <= 65535:
+            raise ConfigError(f"MASTER_PORT={self.master_port} is not a port (0-65535); unset it "
+                              "to let the OS pick a free one")
+        check_resolvable(self.master_addr, "MASTER_ADDR")
 
 
 ENVIRONMENTS: tuple[type[Environment], ...] = (TorchrunEnvironment, SlurmEnvironment, LocalEnvironment)
 
 
 def detect(env: Mapping[str, str] | None = None, local_rank_arg: int | None = None) -> Environment:
-    """The environment of this process: torchrun first (it may run inside srun), then Slurm."""
+    """The environment of this process: torchrun first (it may run inside srun), then Slurm.
+
+    Half a launcher's variables (RANK without WORLD_SIZE, say) is a ConfigError, not a
+    silent local launch."""
     env = os.environ if env is None else env
+    launcher_vars = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if ("RANK" in env or "WORLD_SIZE" in env) and not TorchrunEnvironment.detect(env):
+        missing = [k for k in launcher_vars if k not in env]
+        given = [k for k in ("RANK", "WORLD_SIZE") if k in env]
+        raise ConfigError(f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} set but "
+                          f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: a launcher "
+                          f"sets all of {', '.join(launcher_vars)}; set the rest, or unset "
+                          f"{' and '.join(given)} to let ddptrain start the ranks")
     for cls in ENVIRONMENTS:
         if cls.detect(env):
             return cls(env, local_rank_arg)
     raise AssertionError("LocalEnvironment always matches")
+
+
+def check_resolvable(host: str, name: str) -> None:
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError):
+        raise ConfigError(f"{name}={host!r} is not a known host or address; "
+                          "give the address of the rank-0 machine") from None
 
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -202,6 +275,8 @@ def _split_top_level(text: str) -> list[str]:
 def _expand_item(item: str) -> list[str]:
     match = re.search(r"\[([^\]]*)\]", item)
     if not match:
+        if "[" in item or "]" in item:
+            raise ValueError(f"cannot read Slurm host list {item!r}")
         return [item]
     prefix, suffix = item[: match.start()], item[match.end():]
     names = []

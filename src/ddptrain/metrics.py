@@ -1,7 +1,8 @@
-"""Numbers that need every rank: the epoch's mean training loss and exact evaluation.
+"""Numbers that need every rank: the epoch's training loss, exact evaluation, per-rank timings.
 
-Training losses stay on the device and are summed there; reading them costs one
-all-reduce per epoch instead of a host synchronisation per step.
+Training losses stay on the device, one slot per step of the epoch; reading them costs
+one all-reduce per epoch instead of a host synchronisation per step, and the same slots
+tell the non-finite guard the first step whose loss was not finite.
 
 Evaluation is exact: the evaluation set is cut into the same consecutive batches for any
 world size, rank r evaluates batches r, r+W, ... (no padding, no duplicates), each batch's
@@ -12,74 +13,182 @@ gives bitwise the figures of a single-process evaluation.
 
 from __future__ import annotations
 
+import contextlib
+import statistics
+import time
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset
-from torch.utils.data.dataloader import default_collate
 
-from .data import eval_batch_ranges, eval_shard
-from .tasks.protocol import LossFn, MetricFn
+from .config import ConfigError
+from .data import EvalBatches
+from .dist import broadcast_object
+from .tasks.protocol import Task
 
 
-class RunningLoss:
-    """Sum and count of per-step losses, kept on the device until read."""
+class EpochLosses:
+    """This rank's per-step losses since the epoch began (or since a resume), on the device."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.reset()
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        self.device, self.capacity = device, max(1, capacity)
+        self.reset(first_step=0)
 
-    def reset(self) -> None:
-        self.total = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.steps = 0
+    def reset(self, first_step: int, carried: tuple[float, int] = (0.0, 0)) -> None:
+        """``first_step``: the global step of the next loss; ``carried``: (sum, steps) already
+        reduced over every rank before a resume (rank 0 carries them, the others 0)."""
+        self.slots = torch.zeros(self.capacity, dtype=torch.float64, device=self.device)
+        self.count, self.first_step, self.carried = 0, first_step, carried
 
     def add(self, loss: torch.Tensor) -> None:
-        self.total += loss.detach()  # one in-place add, promoted to float64
-        self.steps += 1
+        self.slots[self.count] = loss.detach()  # one copy, promoted to float64, no host sync
+        self.count += 1
 
-    def restore(self, total: float, steps: int) -> None:
-        self.total.fill_(total)
-        self.steps = steps
+    def local_sum(self) -> torch.Tensor:
+        return self.slots[:self.count].sum() + self.carried[0]
 
-    def global_sums(self) -> tuple[float, int]:
-        """(sum of losses, number of steps) over all ranks: one all-reduce."""
-        both = torch.stack([self.total, torch.tensor(float(self.steps), dtype=torch.float64,
-                                                      device=self.device)])
-        if dist.is_initialized():
-            dist.all_reduce(both)
-        total, steps = both.tolist()
-        return total, int(steps)
+    def local_steps(self) -> int:
+        return self.count + self.carried[1]
 
-    def global_mean(self) -> float:
-        """Mean over steps and ranks; NaN when no step ran."""
-        total, steps = self.global_sums()
-        return total / steps if steps else float("nan")
+    def first_nonfinite_step(self) -> torch.Tensor:
+        """The step number (1-based, global) of this rank's first non-finite loss, or 0; on the device."""
+        if not self.count:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        bad = ~torch.isfinite(self.slots[:self.count])
+        index = torch.argmax(bad.to(torch.int8)).double()
+        return torch.where(bad.any(), index + self.first_step + 1, 0.0)
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, dataset: Dataset, loss_fn: LossFn,
-             metrics: Mapping[str, MetricFn], batch_size: int, device: torch.device,
-             rank: int = 0, world_size: int = 1) -> dict[str, float]:
+def evaluate(model: torch.nn.Module, batches: EvalBatches, task: Task, autocast: Any = None,
+             rank: int = 0, world_size: int = 1, watchdog: Any = None) -> dict[str, float]:
     """``{"loss": …, <metric>: …, "samples": n}`` over the whole set, exact for any world size."""
-    names = ["loss", *metrics]
-    ranges = eval_batch_ranges(len(dataset), batch_size)
-    # Columns: one per figure, then the batch's sample count.
-    table = torch.zeros(len(ranges), len(names) + 1, dtype=torch.float64, device=device)
+    rows: dict[int, dict[str, torch.Tensor]] = {}
     was_training = model.training
     model.eval()
-    for batch_no in eval_shard(len(ranges), rank, world_size):
-        inputs, target = (t.to(device) for t in default_collate([dataset[i] for i in ranges[batch_no]]))
-        output = model(inputs)
-        count = target.shape[0]
-        sums = [loss_fn(output, target).double() * count]
-        sums += [fn(output, target).double() for fn in metrics.values()]
-        table[batch_no] = torch.stack([*sums, torch.tensor(float(count), dtype=torch.float64, device=device)])
+    for batch_no, batch in batches:
+        with autocast or contextlib.nullcontext():
+            sums = _batch_sums(model, batch, task)
+        if batch_no >= 0:  # -1: a padding batch (data.EvalBatches), run but not counted
+            rows[batch_no] = sums
     model.train(was_training)
+    names = _column_names(rows, task, world_size)
+    device = batches.device
+    table = torch.zeros(batches.num_batches, len(names) + 1, dtype=torch.float64, device=device)
+    for batch_no, sums in rows.items():
+        _check_names(sums, names)
+        table[batch_no] = torch.stack([torch.as_tensor(sums[n], device=device).double() for n in [*names, "samples"]])
     if world_size > 1:
+        if watchdog is not None:
+            watchdog.arrive("evaluation: sum of every rank's figures")
         dist.all_reduce(table)
+        if watchdog is not None:
+            watchdog.depart()
     totals = table.cpu().sum(dim=0).tolist()  # rows added in batch order on every rank
     samples = totals[-1]
     result = {name: total / samples for name, total in zip(names, totals)}
     result["samples"] = int(samples)
     return result
+
+
+def _batch_sums(model: torch.nn.Module, batch: Any, task: Task) -> dict[str, Any]:
+    if task.eval_fn is not None:
+        sums = task.eval_fn(model, batch)
+        if not isinstance(sums, Mapping) or "samples" not in sums:
+            raise ConfigError("Task.eval_fn must return a dict of per-batch sums with the batch's sample "
+                              "count under 'samples', e.g. {'loss': loss_sum, 'samples': n}")
+        return dict(sums)
+    inputs, target = batch
+    output = model(inputs)
+    count = target.shape[0]
+    sums = {"loss": task.loss_fn(output, target).double() * count}  # type: ignore[misc]
+    sums.update({name: fn(output, target) for name, fn in task.metrics.items()})
+    sums["samples"] = count
+    return sums
+
+
+def _column_names(rows: dict[int, dict[str, Any]], task: Task, world_size: int) -> list[str]:
+    if task.eval_fn is None:
+        return ["loss", *task.metrics]
+    # eval_fn names its own figures; rank 0 always holds batch 0, and every rank's table
+    # must have the same columns, so rank 0's names are the job's.
+    names = sorted(k for k in rows.get(0, {}) if k != "samples")
+    return broadcast_object(names) if world_size > 1 else names
+
+
+def _check_names(sums: Mapping[str, Any], names: list[str]) -> None:
+    if sorted(k for k in sums if k != "samples") != sorted(names):
+        raise ConfigError(f"Task.eval_fn returned figures {sorted(sums)} for one batch and {names} "
+                          "for another; return the same names for every batch")
+
+
+# --- per-rank timings (stragglers) ----------------------------------------------------------
+TIMING_NAMES = ("data_s", "compute_s", "collective_s")
+STRAGGLER_RATIO = 1.5
+
+
+def timing_record(per_rank: list[list[float]]) -> dict[str, Any]:
+    """Each figure's min / median / max over the ranks and its slowest rank, and the ranks whose
+    own work (data + compute) took at least 1.5x the median rank's (the lower median)."""
+    record: dict[str, Any] = {}
+    for column, name in enumerate(TIMING_NAMES):
+        values = [rank_values[column] for rank_values in per_rank]
+        slowest = max(range(len(values)), key=values.__getitem__)
+        record[name] = {"min": round(min(values), 4), "median": round(statistics.median(values), 4),
+                        "max": round(max(values), 4), "slowest_rank": slowest}
+    work = [data + compute for data, compute, _ in per_rank]
+    median = statistics.median_low(work)
+    record["stragglers"] = {str(rank): round(w / median, 2) for rank, w in enumerate(work)
+                            if median > 0 and w >= STRAGGLER_RATIO * median}
+    return record
+
+
+class RankTimings:
+    """Where this rank's training time went since the last epoch record.
+
+    ``data``: blocked waiting for batches. ``busy``: inside the step (forward, backward,
+    optimizer), which includes waiting for the other ranks' gradients: that part is measured
+    from the moment this rank's last gradient was ready (a post-accumulate-grad hook on the
+    parameter that receives its gradient last, found at the first step) until backward
+    returns. ``collectives``: that, plus the explicit collectives the watchdog timed.
+    On CUDA the host times the launches: data time is real, the split of the rest is not.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.data = self.busy = self.gradient_wait = 0.0
+        self.last_grad_at: float | None = None
+        self.order: list[int] = []
+        self.handles = [p.register_post_accumulate_grad_hook(self._first_step_hook(i))
+                        for i, p in enumerate(params) if p.requires_grad]
+        self.params = params
+
+    def _first_step_hook(self, index: int) -> Any:
+        def hook(_: torch.Tensor) -> None:
+            self.order.append(index)
+            self.last_grad_at = time.perf_counter()
+        return hook
+
+    def _mark(self, _: torch.Tensor) -> None:
+        self.last_grad_at = time.perf_counter()
+
+    def backward_done(self) -> None:
+        """Right after the backward that synchronises gradients."""
+        if self.last_grad_at is not None:
+            self.gradient_wait += time.perf_counter() - self.last_grad_at
+            self.last_grad_at = None
+        if self.order:  # after the first step: keep one hook, on the parameter that was last
+            for handle in self.handles:
+                handle.remove()
+            self.handles = [self.params[self.order[-1]].register_post_accumulate_grad_hook(self._mark)]
+            self.order = []
+
+    def add_step(self, data_s: float, busy_s: float) -> None:
+        self.data += data_s
+        self.busy += busy_s
+
+    def take(self, explicit_collectives_s: float) -> list[float]:
+        """(data, compute, collectives) seconds, and start counting afresh."""
+        figures = [self.data, max(0.0, self.busy - self.gradient_wait), self.gradient_wait + explicit_collectives_s]
+        self.data = self.busy = self.gradient_wait = 0.0
+        return figures

@@ -1,15 +1,18 @@
-"""Stop signals: SIGTERM (torchelastic, Slurm), SIGUSR1 (Slurm's --signal) and SIGINT
-(Ctrl-C, which the elastic agent also forwards to every rank; if the ranks do not stop
-within its 30 s it kills them).
+"""Stop signals and time-based snapshots: decisions every rank takes after the same step.
 
-The handler only sets a flag. The ranks agree on it with one small asynchronous all-reduce
-at agreed step boundaries: the collective started at one check is read at the next, so no
-step waits for it, and every rank stops after the same step. A collective every step would
-cost ~1 ms on a 4 ms step (measured, tutorial job, 2 CPU ranks), so checks are spaced to
-about CHECK_SECONDS apart: each check also carries every rank's proposed interval (steps
-that fit in CHECK_SECONDS), and all ranks take the smallest. A stop is acted upon within
-about two intervals, far inside the 30 s torchelastic and Slurm give before SIGKILL. On
-NCCL jobs the flag travels over the trainer's gloo group, so agreeing never syncs the GPU.
+SIGTERM (torchelastic, Slurm), SIGUSR1 (Slurm's ``--signal``) and SIGINT (Ctrl-C, which the
+elastic agent also forwards to every rank; if the ranks do not stop within its 30 s it kills
+them) only set a flag. The ranks agree on it with one small asynchronous all-reduce at
+agreed step boundaries: the collective started at one check is read at the next, so no step
+waits for it, and every rank acts after the same step. The same message carries rank 0's
+"a snapshot is due" (snapshots by time need every rank to take them after the same step).
+
+A collective every step would cost ~1 ms on a 4 ms step (measured, tutorial job, 2 CPU
+ranks), so checks are spaced to about CHECK_SECONDS apart: each check also carries every
+rank's proposed interval (steps that fit in CHECK_SECONDS), and all ranks take the
+smallest. A stop is acted upon within about two intervals, far inside the 30 s torchelastic
+and Slurm give before SIGKILL. On NCCL jobs the flags travel over the trainer's gloo group,
+so agreeing never syncs the GPU. ``close`` puts back the signal handlers it replaced.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,44 +34,63 @@ CHECK_SECONDS = 1.0
 MAX_INTERVAL = 1000
 
 
+class Decision(NamedTuple):
+    stop: bool
+    snapshot: bool
+
+
+NOTHING = Decision(False, False)
+
+
 class StopSignal:
-    def __init__(self, group: Any = None) -> None:
-        """``group``: a gloo process group (None: the default group, which must be gloo)."""
+    def __init__(self, group: Any = None, snapshot_due: Callable[[], bool] | None = None,
+                 watchdog: Any = None) -> None:
+        """``group``: a gloo process group (None: the default group, which must be gloo).
+        ``snapshot_due``: rank 0's clock; other ranks pass None."""
         self.requested = False
-        self.group = group
-        self.message = torch.zeros(2)
+        self.group, self.snapshot_due, self.watchdog = group, snapshot_due, watchdog
+        self.message = torch.zeros(3)
         self.pending: Any = None
         self.interval, self.next_check = 1, 1
         self.steps, self.last_check_step, self.last_check_time = 0, 0, time.perf_counter()
+        self.replaced: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
-                signal.signal(sig, self._handle)
+                self.replaced[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.requested = True
 
-    def agreed(self) -> bool:
-        """Call after every step on every rank: True on all ranks, after the same step,
-        once any rank has received a stop signal."""
+    def check(self) -> Decision:
+        """Call after every step on every rank: the same Decision on all ranks, after the same step."""
         self.steps += 1
         if self.steps < self.next_check:
-            return False
-        stop = False
+            return NOTHING
+        decision = NOTHING
         if self.pending is not None:
+            if self.watchdog is not None:
+                self.watchdog.arrive("the periodic stop/snapshot agreement", self.steps)
             self.pending.wait()
-            stop = bool(self.message[0].item())
-            self.interval = max(1, int(-self.message[1].item()))  # the smallest proposal
+            if self.watchdog is not None:
+                self.watchdog.depart()
+            decision = Decision(bool(self.message[0].item()), bool(self.message[1].item()))
+            self.interval = max(1, int(-self.message[2].item()))  # the smallest proposal
         now = time.perf_counter()
         per_step = (now - self.last_check_time) / (self.steps - self.last_check_step)
         proposal = min(MAX_INTERVAL, max(1, int(CHECK_SECONDS / max(per_step, 1e-6))))
         self.last_check_step, self.last_check_time = self.steps, now
-        self.message = torch.tensor([float(self.requested), -float(proposal)])
+        due = self.snapshot_due is not None and not decision.snapshot and self.snapshot_due()
+        self.message = torch.tensor([float(self.requested), float(due), -float(proposal)])
         self.pending = dist.all_reduce(self.message, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         self.next_check = self.steps + self.interval
-        return stop
+        return decision
 
-    def close(self) -> None:
-        """Wait for the collective in flight (before the process group is destroyed)."""
-        if self.pending is not None:
+    def close(self, wait: bool = True) -> None:
+        """Wait for the collective in flight (before the process group goes; not after a
+        failure, when a peer may never answer), and restore the replaced handlers."""
+        if self.pending is not None and wait:
             self.pending.wait()
-            self.pending = None
+        self.pending = None
+        for sig, handler in self.replaced.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self.replaced.clear()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,8 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value)
     if isinstance(value, float):
         if not math.isfinite(value):
             return str(value)
@@ -30,32 +31,26 @@ def _fmt(value: Any) -> str:
 
 
 class Reporter:
-    """Rank 0's reporting. ``enabled=False`` (other ranks) makes every method a no-op."""
+    """Rank 0's reporting: console lines, progress bar, metrics.jsonl, TensorBoard, the summary."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, enabled: bool) -> None:
-        self.cfg, self.run_dir, self.enabled = cfg, Path(run_dir), enabled
+    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+        self.cfg, self.run_dir = cfg, Path(run_dir)
         self.bar: Any = None
         self.tb: Any = None
-        self.started = time.perf_counter()
-        if not enabled:
-            return
+
+    def begin(self, cfg: RunConfig, resumed_step: int | None) -> None:
+        """The run's settings as really used (config.json); on resume, forget metrics logged
+        after the snapshot (those steps run again and log again)."""
+        self.cfg = cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(cfg.to_json() + "\n")
+        if resumed_step is not None:
+            kept = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= resumed_step]
+            (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
         if cfg.tensorboard:
             self.tb = _tensorboard_writer(self.run_dir)
 
-    def truncate_after(self, global_step: int) -> None:
-        """On resume: forget metrics logged after the snapshot, they will be logged again."""
-        if not self.enabled:
-            return
-        kept = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= global_step]
-        (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
-
     def info(self, message: str) -> None:
-        if self.enabled:
-            self._write(message)
-
-    def _write(self, message: str) -> None:
         if self.bar is not None:
             self.bar.write(message, file=sys.stderr)
         else:
@@ -64,7 +59,7 @@ class Reporter:
     # --- progress bar ------------------------------------------------------------------------
     def epoch_started(self, epoch: int, steps: int, done: int) -> None:
         show = self.cfg.progress if self.cfg.progress is not None else sys.stderr.isatty()
-        if not (self.enabled and show):
+        if not show:
             return
         try:
             from tqdm import tqdm
@@ -88,26 +83,44 @@ class Reporter:
     # --- records -------------------------------------------------------------------------------
     def log(self, record: dict[str, Any]) -> None:
         """One line of metrics.jsonl, a console line, and TensorBoard scalars."""
-        if not self.enabled:
-            return
         with open(self.run_dir / "metrics.jsonl", "a") as handle:
             handle.write(json.dumps(record) + "\n")
-        self._write(console_line(record))
+        self.info(console_line(record))
         if self.tb is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key not in ("epoch", "step"):
                     self.tb.add_scalar(key, value, record["step"])
             self.tb.flush()
 
-    def finish(self, summary: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
+    def finish(self) -> None:
         if self.tb is not None:
             self.tb.close()
-        self._write(format_summary(summary))
+        self.info(format_summary(summarize(self.run_dir)))
         note = plot_curves(self.run_dir)
         if note:
-            self._write(note)
+            self.info(note)
+
+
+class NullReporter(Reporter):
+    """Every rank but 0: reports nothing."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+        super().__init__(cfg, run_dir)
+
+    def begin(self, cfg: RunConfig, resumed_step: int | None) -> None:
+        self.cfg = cfg
+
+    def info(self, message: str) -> None:
+        pass
+
+    def epoch_started(self, epoch: int, steps: int, done: int) -> None:
+        pass
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
 
 
 def console_line(record: dict[str, Any]) -> str:
@@ -187,4 +200,20 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     evaluated = [r for r in records if any(k.startswith("eval_") for k in r)]
     if evaluated:
         summary.update({k: v for k, v in evaluated[-1].items() if k.startswith("eval_")})
+    skipped = [step for r in epochs for step in r.get("skipped_steps", [])]
+    if skipped:
+        summary["skipped_steps"] = len(skipped)
+    slow = stragglers(epochs)
+    if slow:
+        summary["stragglers"] = slow
     return summary
+
+
+def stragglers(epochs: list[dict[str, Any]]) -> str:
+    """"rank 1 (2/2 epochs, up to 3.1x the median rank)" for every rank named in an epoch record."""
+    named: dict[str, list[float]] = {}
+    for record in epochs:
+        for rank, ratio in record.get("stragglers", {}).items():
+            named.setdefault(rank, []).append(ratio)
+    return "; ".join(f"rank {rank} ({len(ratios)}/{len(epochs)} epochs, up to {max(ratios):.1f}x the "
+                     "median rank's data + compute time)" for rank, ratios in sorted(named.items()))

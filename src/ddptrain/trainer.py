@@ -1,346 +1,400 @@
 """The Trainer: the tutorial's ``_run_batch`` / ``_run_epoch`` / ``train`` shape, made real.
 
 Everything a step does is in ``_run_batch``; everything an epoch does is in ``_run_epoch``;
-``fit`` is resume -> epochs -> final evaluation -> model.pt. Read them top to bottom.
+``fit`` is: restore point -> data -> epochs -> final evaluation -> model.pt. Read them top to
+bottom. When and where snapshots are written is checkpointer.py's business: to it the
+Trainer is ``state_dict()`` / ``load_state_dict()``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import snapshot
-from .config import ConfigError, RunConfig
-from .data import ResumableDistributedSampler, TrainBatches, steps_per_epoch
+from .checkpointer import Checkpointer, Snapshot, adapt_batch
+from .config import ConfigError, RunConfig, default_run_dir
+from .data import EvalBatches, ResumableDistributedSampler, TrainBatches, steps_per_epoch
 from .dist import DistContext, apply_step_timeout
-from .hooks import register_comm_hook
-from .metrics import RunningLoss, evaluate
+from .guard import NonFiniteGuard, all_finite
+from .metrics import EpochLosses, RankTimings, evaluate, timing_record
 from .optim import build_optimizer, build_scheduler
 from .preemption import StopSignal
-from .report import Reporter
-from .tasks.protocol import Task
+from .report import NullReporter, Reporter
+from .snapshot_files import atomic_save, restore_rng
+from .strategy import make_strategy
+from .tasks.protocol import Task, check_task
+from .watchdog import NullWatchdog
 
 LOSS_DISPLAY_EVERY = 20  # steps between progress-bar loss reads (each read syncs the device)
+GRADIENT_SYNC = "the gradient all-reduce"
+FORWARD_SYNC = "the forward pass's collective (DDP's buffer broadcast, FSDP's parameter all-gather)"
+
+
+@dataclass
+class Progress:
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
 
 
 class Trainer:
+    """Trains ``task`` on this rank of the job described by ``ctx`` (see docs/api.md)."""
+
     def __init__(self, task: Task, cfg: RunConfig, ctx: DistContext) -> None:
-        self.task, self.cfg, self.ctx, self.device = task, cfg, ctx, ctx.device
-        self.run_dir = Path(cfg.run_dir or ".")
-        self.module = task.model.to(self.device)  # unwrapped: state_dict, evaluation, model.pt
-        self.model = self._wrap(torch.compile(self.module) if cfg.compile else self.module)
-        apply_step_timeout(cfg.timeout)  # DDP's start-up broadcast is done
-        params = self.model.parameters()
+        check_task(task, cfg.task)
+        self.task, self.ctx, self.device = task, ctx, ctx.device
+        cfg = cfg.with_task_defaults(task.defaults)  # lr, optimizer, ... the user left unset
+        self.cfg = cfg if cfg.run_dir else dataclasses.replace(cfg, run_dir=default_run_dir(cfg))
+        self.run_dir = Path(self.cfg.run_dir)
+        self.watchdog = ctx.watchdog or NullWatchdog()
+        self.strategy = make_strategy(cfg, ctx)
+        self.module = task.model  # unwrapped: state_dict, evaluation, model.pt
+        self.watchdog.arrive("start-up: wrapping the model (rank 0's weights reach every rank)")
+        self.model = self.strategy.wrap(self.module, task)
+        # Small control messages (stop flags, RNG states) travel on CPU: gloo even on NCCL jobs.
+        self.cpu_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else None
+        self.watchdog.depart()
+        apply_step_timeout(cfg.timeout)
+        params = list(self.model.parameters())
         self.optimizer = task.make_optimizer(params) if task.make_optimizer else build_optimizer(params, cfg)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16" and self.device.type == "cuda")
-        self.epoch = self.step_in_epoch = self.global_step = 0
-        self.last_saved_step = -1
-        self.resumed_steps: set[int] = set()  # loaded with --resume PATH: maybe not in our folder
-        self.running_loss = RunningLoss(self.device)
-        self.reporter = Reporter(cfg, self.run_dir, enabled=ctx.is_main)
-        # Small control messages (stop flags, RNG states) travel on CPU: gloo even on NCCL jobs.
-        self.cpu_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else None
-        self.stop_signal = StopSignal(self.cpu_group)
-        self.writer = snapshot.SnapshotWriter()
-        self.first_step_at: float | None = None
+        self.progress = Progress()
+        self.reporter = Reporter(self.cfg, self.run_dir) if ctx.is_main else NullReporter(self.cfg, self.run_dir)
+        self.checkpointer = Checkpointer(self.cfg, ctx, self.run_dir, self.strategy, self.cpu_group, self.watchdog)
+        self.timings = RankTimings(params)
+        if self.strategy.forward_syncs:  # the forward's own collective ends where the inner forward begins
+            self.module.register_forward_pre_hook(lambda *_: self.watchdog.depart())
+        self.first_step_at: float | None = None  # wall clock of the first step (start-up benchmarks)
         self.first_step_reported = False
+        self.loss_checked = False
 
-    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """DDP across ranks. One rank has nobody to talk to: DDP would only add its overhead."""
-        if self.ctx.world_size == 1:
-            return model
-        ddp = DDP(
-            model,
-            device_ids=[self.device] if self.device.type == "cuda" else None,
-            gradient_as_bucket_view=True,
-            static_graph=self.cfg.static_graph,
-            find_unused_parameters=self.cfg.find_unused_parameters,
-            **({"bucket_cap_mb": self.cfg.bucket_cap_mb} if self.cfg.bucket_cap_mb else {}),
-        )
-        register_comm_hook(ddp, self.cfg.comm_hook)
-        return ddp
-
-    def _no_sync(self) -> contextlib.AbstractContextManager[Any]:
-        return self.model.no_sync() if isinstance(self.model, DDP) else contextlib.nullcontext()
+    def _use_config(self, cfg: RunConfig) -> None:
+        """A new (never mutated) config for the rest of the run, shared with the checkpointer."""
+        self.cfg = self.checkpointer.cfg = cfg
 
     # --- the loop ------------------------------------------------------------------------------
     def fit(self) -> str:
-        """Train to ``max_epochs``. Returns ``"finished"``, or ``"preempted"`` after a stop signal."""
+        """Train to ``max_epochs``: ``"finished"``, ``"preempted"`` after a stop signal, or
+        ``"already_finished"`` when the run dir holds a run that ended there."""
+        is_main = self.ctx.is_main
+        self.stop_signal = StopSignal(self.cpu_group, self.checkpointer.due_by_time if is_main else None, self.watchdog)
         try:
-            return self._fit()
-        finally:
-            self.stop_signal.close()
-            self.writer.close()
-
-    def _fit(self) -> str:
-        resumed = self._resume()
-        self._build_data()
-        if resumed is not None:
-            self._apply_state(*resumed)
-        else:
-            self.reporter.info(f"training {self.cfg.task} on {self.ctx.world_size} rank(s), "
-                               f"{self.ctx.device.type}/{self.ctx.backend}, global batch "
-                               f"{self.global_batch}, {self.steps_per_epoch} steps per epoch")
-        if self.cfg.max_epochs == 0:
-            self._log_evaluation(epoch=-1)
-        while self.epoch < self.cfg.max_epochs:
-            if self._run_epoch(self.epoch) == "preempted":
-                self.save_snapshot()
-                self._commit_snapshots()
-                return "preempted"
-        self._finish()
-        return "finished"
+            outcome = self._fit()
+        except BaseException:
+            self.stop_signal.close(wait=False)  # a peer may never answer: leave at once
+            self.checkpointer.close(wait=False)
+            raise
+        self.stop_signal.close()
+        self.checkpointer.close()
+        return outcome
 
     def train(self, max_epochs: int | None = None) -> str:
         """The tutorial's name for ``fit``."""
         if max_epochs is not None:
-            self.cfg.max_epochs = max_epochs
+            self._use_config(dataclasses.replace(self.cfg, max_epochs=max_epochs))
         return self.fit()
 
+    def _fit(self) -> str:
+        # Start-up, in this order: each line needs the ones before it.
+        start = self.checkpointer.restore_point(self.module, self.optimizer)  # chosen by rank 0, checked by all
+        if start is not None:
+            self._adapt_to(start)  # the per-rank batch that keeps the snapshot's global batch
+        self._build_data()  # sampler, batches, steps per epoch: need the batch size
+        self.scheduler = self._build_scheduler()  # needs the steps per epoch
+        if start is not None:
+            self._resume_from(start)  # needs the scheduler
+            if self.progress.epoch >= self.cfg.max_epochs > 0:
+                return "already_finished"
+        self.reporter.begin(self.cfg, resumed_step=self.progress.global_step if start else None)
+        if start is None:
+            self.reporter.info(f"training {self.cfg.task} on {self.ctx.world_size} rank(s), "
+                               f"{self.device.type}/{self.ctx.backend}, global batch {self.global_batch}, "
+                               f"{self.steps_per_epoch} steps per epoch")
+        if self.cfg.max_epochs == 0:
+            self.reporter.log({"kind": "eval", "epoch": -1, "step": self.progress.global_step, **self._evaluation()})
+        while self.progress.epoch < self.cfg.max_epochs:
+            if self._run_epoch(self.progress.epoch) == "preempted":
+                self._save()
+                self.checkpointer.commit()
+                return "preempted"
+        self._finish()
+        return "finished"
+
     def _run_epoch(self, epoch: int) -> str:
-        self.sampler.set_epoch(epoch)
-        self.sampler.set_start(self.step_in_epoch * self.cfg.grad_accum * self.cfg.batch_size)
-        if self.cfg.log_ranks:  # the tutorial's per-rank line
-            print(f"{self.ctx.tag} Epoch:{epoch}|Batchsize:{self.cfg.batch_size}|"
-                  f"Steps:{steps_per_epoch(len(self.task.train_set), self.ctx.world_size, self.cfg.batch_size)}",
+        """One pass over this rank's shard: ``"done"``, or ``"preempted"`` after a stop signal."""
+        self.batches.set_epoch(epoch, start=self.progress.step_in_epoch * self.cfg.grad_accum * self.cfg.batch_size)
+        if self.cfg.log_ranks:  # the tutorial's per-rank line (Steps: optimizer steps)
+            print(f"{self.ctx.tag} Epoch:{epoch}|Batchsize:{self.cfg.batch_size}|Steps:{self.steps_per_epoch}",
                   flush=True)
-        self.reporter.epoch_started(epoch, self.steps_per_epoch, self.step_in_epoch)
+        self.reporter.epoch_started(epoch, self.steps_per_epoch, self.progress.step_in_epoch)
         started, samples = time.perf_counter(), 0
         micro_batches = iter(self.batches)
-        while self.step_in_epoch < self.steps_per_epoch:
-            group = [b for _, b in zip(range(self.cfg.grad_accum), micro_batches)]
+        while self.progress.step_in_epoch < self.steps_per_epoch:
+            fetching = time.perf_counter()
+            group = list(itertools.islice(micro_batches, self.cfg.grad_accum))
+            stepping = time.perf_counter()
             loss = self._run_batch(group)
-            samples += sum(b[0].shape[0] for b in group) * self.ctx.world_size
-            self.running_loss.add(loss)
-            self.step_in_epoch += 1
-            self.global_step += 1
-            if self.first_step_at is None:
-                self.first_step_at = time.time()
-            show = self.global_step % LOSS_DISPLAY_EVERY == 0
-            self.reporter.step_done(loss if show else None)
-            if self.cfg.save_every and self.global_step % self.cfg.save_every == 0:
-                self.save_snapshot()
-            if self.stop_signal.agreed():
+            self.timings.add_step(stepping - fetching, time.perf_counter() - stepping)
+            samples += sum(batch_size_of(b) for b in group)
+            self.progress.step_in_epoch += 1
+            self.progress.global_step += 1
+            if loss is None:  # skipped: not finite (--skip-nonfinite)
+                self.guard.skip(self.progress.global_step)
+            else:
+                self.losses.add(loss)
+            self.first_step_at = self.first_step_at or time.time()
+            self.reporter.step_done(loss if self.progress.global_step % LOSS_DISPLAY_EVERY == 0 else None)
+            decision = self.stop_signal.check()
+            if decision.stop:
                 self.reporter.epoch_finished()
                 return "preempted"
+            if decision.snapshot or self.checkpointer.due_by_steps(self.progress.global_step):
+                self._save()
         self.reporter.epoch_finished()
-        self._end_epoch(epoch, time.perf_counter() - started, samples)
+        self._end_epoch(epoch, time.perf_counter() - started, samples * self.ctx.world_size)
         return "done"
 
-    def _run_batch(self, group: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-        """One optimizer step over ``group`` (``--grad-accum`` micro-batches). Returns the loss."""
+    def _run_batch(self, group: list[Any]) -> torch.Tensor | None:
+        """One optimizer step over ``group`` (``--grad-accum`` micro-batches). Returns the
+        loss, or None when the step was skipped as not finite."""
         self.optimizer.zero_grad(set_to_none=True)
         total = None
-        for i, (inputs, target) in enumerate(group):
+        for i, batch in enumerate(group):
             last = i == len(group) - 1
-            sync = contextlib.nullcontext() if last else self._no_sync()  # all-reduce once per step
+            sync = contextlib.nullcontext() if last else self.strategy.no_sync(self.model)  # one sync per step
             with sync, self._autocast():
-                loss = self.task.loss_fn(self._forward(inputs), target)
+                if self.strategy.forward_syncs:
+                    self.watchdog.arrive(FORWARD_SYNC, self.progress.global_step + 1)
+                loss = self._loss(batch)
                 if len(group) > 1:
                     loss = loss / len(group)  # the mean over the whole group's samples
+            if last:
+                self.watchdog.arrive(GRADIENT_SYNC, self.progress.global_step + 1, timed=False)
             self.scaler.scale(loss).backward()
+            if last:
+                self.timings.backward_done()
+                self.watchdog.depart()
             total = loss.detach() if total is None else total + loss.detach()
+        if self.guard.skipping and not self.guard.step_is_finite(total, self._gradients()):
+            self._step_scheduler()  # the schedule counts steps, taken or skipped
+            return None
         if self.cfg.clip_grad:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        self._step_scheduler()
         return total
 
-    def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def _loss(self, batch: Any) -> torch.Tensor:
+        """The task's loss of one batch: ``step_fn(model, batch)``, or ``loss_fn(model(inputs), target)``."""
+        if not self.loss_checked and self.task.step_fn is None:
+            check_pair(batch)
         try:
-            return self.model(inputs)
+            if self.task.step_fn is not None:
+                loss = self.task.step_fn(self.model, batch)
+            else:
+                inputs, target = batch
+                loss = self.task.loss_fn(self.model(inputs), target)  # type: ignore[misc]
         except RuntimeError as error:
             if "find_unused_parameters" in str(error):
                 raise RuntimeError(f"{error}\nddptrain: some parameters got no gradient; "
                                    "pass --find-unused-parameters") from None
             raise
+        if not self.loss_checked:
+            check_scalar(loss, "step_fn" if self.task.step_fn is not None else "loss_fn")
+            self.loss_checked = True
+        return loss
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.autocast_dtype is None:
+        if self.autocast_dtype is None or not self.strategy.autocast:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
+    def _gradients(self) -> list[torch.Tensor]:
+        if self.scaler.is_enabled():
+            return []  # scaled fp16 gradients overflow by design: the grad scaler skips those steps
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def _step_scheduler(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.step()
+
     # --- epoch ends, evaluation, the end -------------------------------------------------------
     def _end_epoch(self, epoch: int, seconds: float, samples: int) -> None:
+        reduced = self._reduce(with_timings=True)
         record: dict[str, Any] = {
-            "kind": "epoch", "epoch": epoch, "step": self.global_step,
-            "train_loss": self.running_loss.global_mean(),
+            "kind": "epoch", "epoch": epoch, "step": self.progress.global_step,
+            "train_loss": reduced["loss_total"] / reduced["loss_steps"] if reduced["loss_steps"] else float("nan"),
             "lr": self.optimizer.param_groups[0]["lr"],
             "samples_per_s": round(samples / seconds, 1) if seconds > 0 else None,
             "epoch_time_s": round(seconds, 3), "samples": samples, "time": round(time.time(), 3),
+            **timing_record(reduced["timings"]),
         }
+        skipped = [s for s in self.guard.skipped if self.guard.epoch_of(s) == epoch]
+        if skipped:
+            record["skipped_steps"] = skipped
         if not self.first_step_reported and self.first_step_at is not None:
-            record["first_step_at"] = self.first_step_at  # wall clock, for start-up benchmarks
+            record["first_step_at"] = self.first_step_at
             self.first_step_reported = True
         if self._eval_due(epoch):
             record.update(self._evaluation())
         self.reporter.log(record)
-        self.running_loss.reset()
-        self.epoch, self.step_in_epoch = epoch + 1, 0
-        self.save_snapshot()
+        self.progress.epoch, self.progress.step_in_epoch = epoch + 1, 0
+        self.losses.reset(first_step=self.progress.global_step)
+
+    def _reduce(self, with_timings: bool = False) -> dict[str, Any]:
+        """One all-reduce: the epoch's loss sums, every rank's first non-finite step and (at
+        epoch ends) timings. Raises NonFiniteError, before anything is saved or evaluated, when
+        a loss or a weight is not finite."""
+        world, rank = self.ctx.world_size, self.ctx.rank
+        timings = self.timings.take(self.watchdog.take_waited()) if with_timings else [0.0, 0.0, 0.0]
+        vector = torch.zeros(2 + 4 * world, dtype=torch.float64, device=self.device)
+        vector[0] = self.losses.local_sum()
+        vector[1] = self.losses.local_steps()
+        vector[2 + rank] = self.losses.first_nonfinite_step()
+        vector[2 + world + 3 * rank:5 + world + 3 * rank] = torch.tensor(timings, dtype=torch.float64)
+        self.watchdog.arrive("summing the loss over the ranks", self.progress.global_step)
+        dist.all_reduce(vector)
+        self.watchdog.depart()
+        values = vector.tolist()
+        first_bad = [int(s) for s in values[2:2 + world]]
+        self.guard.check(first_bad, all_finite(self.model.parameters()), self.progress.global_step,
+                         self.checkpointer.newest_path())
+        per_rank = [values[2 + world + 3 * r:5 + world + 3 * r] for r in range(world)]
+        return {"loss_total": values[0], "loss_steps": int(values[1]), "timings": per_rank}
 
     def _eval_due(self, epoch: int) -> bool:
         if self.task.eval_set is None:
             return False
-        last = epoch == self.cfg.max_epochs - 1
         every = self.cfg.eval_every
-        return last or (every > 0 and (epoch + 1) % every == 0)
+        return epoch == self.cfg.max_epochs - 1 or (every > 0 and (epoch + 1) % every == 0)
 
     def _evaluation(self) -> dict[str, Any]:
-        if self.task.eval_set is None:
+        if self.eval_batches is None:
             return {}
-        result = evaluate(self.module, self.task.eval_set, self.task.loss_fn, self.task.metrics,
-                          self.cfg.batch_size, self.device, self.ctx.rank, self.ctx.world_size)
+        model = self.strategy.eval_model(self.module, self.model)
+        result = evaluate(model, self.eval_batches, self.task, self._autocast(), self.ctx.rank,
+                          self.ctx.world_size, self.watchdog)
         return {f"eval_{k}": v for k, v in result.items()}
 
-    def _log_evaluation(self, epoch: int) -> None:
-        record = {"kind": "eval", "epoch": epoch, "step": self.global_step, **self._evaluation()}
-        self.reporter.log(record)
+    def _save(self) -> None:
+        """A snapshot after the current step (every rank calls it; the guard checks first).
+        None before the first step: a fresh start recreates that state exactly."""
+        if self.progress.global_step in (0, self.checkpointer.saved_step):
+            return
+        reduced = self._reduce()  # the epoch's loss so far, over every rank, goes into the snapshot
+        self.loss_sums = (reduced["loss_total"], reduced["loss_steps"])
+        self.checkpointer.save(self.progress.global_step, self.state_dict)
 
     def _finish(self) -> None:
-        self._commit_snapshots()
-        if self.ctx.is_main:
-            weights = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
-            snapshot.atomic_save(weights, self.run_dir / "model.pt")
+        self._save()
+        self.checkpointer.commit()
+        weights = self.strategy.full_model_state(self.module)  # every rank helps under fsdp
+        if weights is not None:
+            atomic_save(weights, self.run_dir / "model.pt")
+        self.watchdog.arrive("the end: waiting for model.pt")
         dist.barrier()  # model.pt is complete before any rank reports success
-        from .report import summarize
-        self.reporter.finish(summarize(self.run_dir) if self.ctx.is_main else {})
+        self.watchdog.depart()
+        self.reporter.finish()
 
-    # --- snapshots -----------------------------------------------------------------------------
+    # --- state -----------------------------------------------------------------------------------
     @property
     def global_batch(self) -> int:
         return self.cfg.batch_size * self.ctx.world_size * self.cfg.grad_accum
 
-    def state_dict(self, rng_states: list[Any], loss_sums: tuple[float, int]) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
+        """Everything that makes the next step exactly what it would have been."""
+        total, steps = getattr(self, "loss_sums", (0.0, 0))
         return {
-            "format_version": snapshot.FORMAT_VERSION,
-            # copies: the writer thread saves them while training changes the originals
-            "model": snapshot.cpu_copy(self.module.state_dict()),
-            "optimizer": snapshot.cpu_copy(self.optimizer.state_dict()),
+            **self.strategy.state(self.module, self.optimizer),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
-            "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
-            "epoch_loss_total": loss_sums[0], "epoch_loss_steps": loss_sums[1],
-            "world_size": self.ctx.world_size, "batch_size": self.cfg.batch_size,
-            "global_batch": self.global_batch,
-            "fingerprint": self.cfg.math_fingerprint(self.ctx.world_size),
-            "rng": rng_states,
+            "progress": {**dataclasses.asdict(self.progress), "epoch_loss_total": total,
+                         "epoch_loss_steps": steps, "skipped_steps": list(self.guard.skipped)},
         }
 
-    def save_snapshot(self) -> None:
-        """Every rank calls this; rank 0 writes the file in the background.
-
-        The state is copied at once (so training can go on), and the copy is written by a
-        thread: the file I/O (4 ms for the tutorial job, far more for big models) stays off
-        the training path. Rank 0 finishes the previous write before it joins the gather
-        below, so after the gather every rank knows that write was committed and checks it
-        can see it.
-        """
-        if self.global_step == self.last_saved_step:
-            return
-        # At an epoch end the running loss was just read and reset on every rank alike.
-        loss_sums = self.running_loss.global_sums() if self.running_loss.steps else (0.0, 0)
-        if self.ctx.is_main:
-            self.writer.wait()
-        rng_states = snapshot.gather_rng_states(self.ctx.world_size, self.cpu_group)
-        self._check_visible(self.last_saved_step)
-        if self.ctx.is_main:
-            self.writer.submit(self.state_dict(rng_states, loss_sums), self._snapshot_dir, self.cfg.keep)
-        self.last_saved_step = self.global_step
-
-    def _commit_snapshots(self) -> None:
-        """Wait until the last snapshot is on disk and every rank can see it."""
-        if self.ctx.is_main:
-            self.writer.wait()
-        dist.barrier()
-        self._check_visible(self.last_saved_step)
-
-    def _check_visible(self, step: int) -> None:
-        if step < 0:
-            return
-        path = self._snapshot_dir / snapshot.snapshot_name(step)
-        if not path.exists() and step not in self.resumed_steps:
-            raise snapshot.SnapshotNotShared(self.ctx.rank, path)
-
-    @property
-    def _snapshot_dir(self) -> Path:
-        return snapshot.snapshot_dir(self.run_dir)
-
-    def _resume(self) -> tuple[dict[str, Any], Path] | None:
-        """Load and check the snapshot ``--resume`` names (rank 0 chooses, every rank loads it)."""
-        choice: list[Any] = [None]
-        if self.ctx.is_main and self.cfg.resume != "never":
-            choice = [self._choose_snapshot()]
-        dist.broadcast_object_list(choice, src=0)
-        if choice[0] is None:
-            return None
-        path = Path(choice[0])
-        if not path.exists():
-            raise snapshot.SnapshotNotShared(self.ctx.rank, path)
-        state = snapshot.load_snapshot(path)
-        self._adapt_batch_to(state, path)
-        snapshot.check_model_matches(self.module, state["model"], path)
-        snapshot.check_fingerprint(state["fingerprint"], self.cfg.math_fingerprint(self.ctx.world_size), path)
-        return state, path
-
-    def _choose_snapshot(self) -> str | None:
-        if self.cfg.resume == "auto":
-            found = snapshot.load_newest(snapshot.snapshot_dir(self.run_dir))
-            return str(found[0]) if found else None
-        snapshot.load_snapshot(Path(self.cfg.resume))  # validate before the others load it
-        return self.cfg.resume
-
-    def _apply_state(self, state: dict[str, Any], path: Path) -> None:
-        """Continue exactly where the snapshot stopped (after the scheduler exists)."""
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_state_dict(self, state: dict[str, Any], whole: bool = True) -> None:
+        """``whole``: the model and optimizer tensors are whole (as in a file snapshot), not
+        this rank's shards."""
+        self.strategy.load_state(self.module, self.optimizer, state, whole)
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
-        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
-        self.global_step = self.last_saved_step = state["global_step"]
-        self.resumed_steps.add(self.global_step)
-        if self.ctx.is_main:  # the epoch's loss so far, already summed over ranks
-            self.running_loss.restore(state.get("epoch_loss_total", 0.0), state.get("epoch_loss_steps", 0))
-        if state["world_size"] == self.ctx.world_size:
-            snapshot.restore_rng(state["rng"][self.ctx.rank])
-        self.reporter.truncate_after(self.global_step)
-        self.reporter.info(f"resumed from {path}: epoch {self.epoch}, step {self.global_step}")
+        saved = state["progress"]
+        self.progress = Progress(saved["epoch"], saved["step_in_epoch"], saved["global_step"])
+        self.guard.skipped = list(saved.get("skipped_steps", []))
+        # The epoch's loss so far, already summed over every rank: rank 0 carries it.
+        carried = (saved.get("epoch_loss_total", 0.0), saved.get("epoch_loss_steps", 0))
+        self.losses.reset(first_step=self.progress.global_step, carried=carried if self.ctx.is_main else (0.0, 0))
 
-    def _adapt_batch_to(self, state: dict[str, Any], path: Path) -> None:
+    def _adapt_to(self, start: Snapshot) -> None:
         """On another world size, keep the snapshot's global batch (and so the sample order)."""
-        if state["world_size"] == self.ctx.world_size:
-            return
-        per_rank, rest = divmod(state["global_batch"], self.ctx.world_size * self.cfg.grad_accum)
-        if rest or per_rank < 1:
-            workable = [w for w in range(1, state["global_batch"] + 1)
-                        if state["global_batch"] % (w * self.cfg.grad_accum) == 0]
-            raise ConfigError(f"snapshot {path} has global batch {state['global_batch']}, which "
-                              f"{self.ctx.world_size} ranks cannot split evenly; use a world size "
-                              f"in {workable}")
-        if per_rank != self.cfg.batch_size:
-            self.reporter.info(f"resuming a {state['world_size']}-rank run on {self.ctx.world_size}: "
-                               f"batch size per rank {per_rank} keeps the global batch {state['global_batch']}")
-        self.cfg.batch_size = per_rank
+        if start.state["world_size"] != self.ctx.world_size:
+            batch = adapt_batch(start.state["global_batch"], self.ctx.world_size, self.cfg.grad_accum)
+            if batch != self.cfg.batch_size:
+                self.reporter.info(f"resuming a {start.state['world_size']}-rank run on {self.ctx.world_size}: "
+                                   f"batch size per rank {batch} keeps the global batch {start.state['global_batch']}")
+            self._use_config(dataclasses.replace(self.cfg, batch_size=batch))
+        self.checkpointer.check_fits(start, self.cfg)
+
+    def _resume_from(self, start: Snapshot) -> None:
+        self.load_state_dict(start.state, start.whole)
+        if start.state["world_size"] == self.ctx.world_size:
+            restore_rng(start.state["rng"][self.ctx.rank])
+        self.reporter.info(f"resumed from {start.path}: epoch {self.progress.epoch}, step {self.progress.global_step}")
 
     def _build_data(self) -> None:
-        cfg, ctx = self.cfg, self.ctx
-        self.sampler = ResumableDistributedSampler(self.task.train_set, ctx.world_size, ctx.rank, cfg.seed)
-        self.batches = TrainBatches(self.task.train_set, self.sampler, cfg.batch_size, self.device, cfg.workers)
-        micro = steps_per_epoch(len(self.task.train_set), ctx.world_size, cfg.batch_size)
+        cfg, ctx, task = self.cfg, self.ctx, self.task
+        self.sampler = ResumableDistributedSampler(task.train_set, ctx.world_size, ctx.rank, cfg.seed)
+        self.batches = TrainBatches(task.train_set, self.sampler, cfg.batch_size, self.device, cfg.workers,
+                                    task.collate_fn)
+        micro = steps_per_epoch(len(task.train_set), ctx.world_size, cfg.batch_size)  # type: ignore[arg-type]
         self.steps_per_epoch = math.ceil(micro / cfg.grad_accum)
-        constant = cfg.lr_schedule == "constant" and cfg.warmup_steps == 0  # nothing to step
-        total_steps = self.steps_per_epoch * cfg.max_epochs
-        self.scheduler = None if constant else build_scheduler(self.optimizer, cfg, total_steps)
+        self.eval_batches = None if task.eval_set is None else EvalBatches(
+            task.eval_set, cfg.batch_size, ctx.rank, ctx.world_size, self.device, cfg.workers, task.collate_fn,
+            equal_counts=self.strategy.forward_syncs)
+        self.losses = EpochLosses(self.device, self.steps_per_epoch)
+        self.guard = NonFiniteGuard(cfg.skip_nonfinite, self.steps_per_epoch)
+
+    def _build_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
+        if self.cfg.lr_schedule == "constant" and self.cfg.warmup_steps == 0:
+            return None  # nothing to step
+        return build_scheduler(self.optimizer, self.cfg, self.steps_per_epoch * self.cfg.max_epochs)
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        size = batch_size_of(value)
+        if size:
+            return size
+    return 0
+
+
+def check_pair(batch: Any) -> None:
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise ConfigError(f"Task.loss_fn needs (inputs, target) batches, but a batch is a {type(batch).__name__}"
+                          f"{f' of {len(batch)}' if isinstance(batch, (tuple, list)) else ''}; for other batches "
+                          "give step_fn(model, batch) -> loss instead")
+
+
+def check_scalar(loss: Any, name: str) -> None:
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ConfigError(f"Task.{name} returned {shape}, not a scalar floating-point loss tensor; "
+                          "reduce it, e.g. with .mean()")

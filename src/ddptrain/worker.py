@@ -1,8 +1,13 @@
 """One rank's life: find its place, build the task, join the process group, train, leave.
 
 ``run_rank`` is the entry point both for ranks that ddptrain starts itself (through torch's
-elastic launcher) and for a process started by torchrun or srun. ``@record`` writes a
-failing rank's traceback where the launcher finds and prints it.
+elastic launcher, via ``rank_entry``) and for a process started by torchrun or srun.
+
+A rank connects to the job's store and starts its watchdog before anything else, so a rank
+that fails or hangs at any point, start-up included, is noticed by the others. A rank that
+fails tells the others through the store (they stop within a second instead of waiting for
+a timeout), writes its traceback where the launcher finds it (``@record``), and exits at
+once (failures.hard_exit).
 """
 
 from __future__ import annotations
@@ -12,43 +17,85 @@ import sys
 import warnings
 from pathlib import Path
 
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import tasks
-from .config import ConfigError, RunConfig, default_run_dir
-from .dist import check_comm_hook, process_group, resolve_device_kind
-from .environments import Environment, detect
+from .config import ConfigError, RunConfig
+from .dist import connect_store, hosts_store, joined, resolve_device_kind
+from .environments import detect
+from .failures import PeerFailed, hard_exit
 from .preemption import PREEMPTED_EXIT_CODE
+from .tasks.protocol import TaskFactory
 from .trainer import Trainer
+from .watchdog import NullWatchdog, Watchdog
 
-# What a rank returns: ("finished"|"preempted"|"config_error", message).
+# What a rank returns: (status, message). The launcher prints rank 0's message.
 Outcome = tuple[str, str]
-EXIT_CODES = {"finished": 0, "config_error": 2, "preempted": PREEMPTED_EXIT_CODE}
+EXIT_CODES = {"finished": 0, "already_finished": 0, "config_error": 2, "preempted": PREEMPTED_EXIT_CODE}
+
+
+_watchdog: Watchdog | None = None  # this process's rank's watchdog (one rank per process)
+
+
+def rank_entry(cfg: RunConfig, factory: TaskFactory | None) -> Outcome:
+    """What ddptrain's own launcher starts in every local rank."""
+    try:
+        return run_rank(cfg, factory)
+    except BaseException:  # @record has written the error file
+        leave(1)
+        raise  # not reached
+
+
+def leave(code: int) -> None:
+    """End this rank's process now, after a failure (see failures.hard_exit)."""
+    if _watchdog is not None:
+        _watchdog.exit_process(code)
+    hard_exit(code)
 
 
 @record
-def run_rank(cfg: RunConfig, local_rank_arg: int | None = None) -> Outcome:
+def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg: int | None = None) -> Outcome:
     env = detect(local_rank_arg=local_rank_arg)
     show_warnings_with_rank(env.rank)
+    run_dir = Path(cfg.run_dir)  # resolved by the caller (api.execute)
+    write_pid_file(run_dir, env.rank)
+    device_kind, backend = resolve_device_kind(cfg.device, cfg.backend, env.local_world_size)
+    store = connect_store(env, cfg.timeout)
+    global _watchdog
+    if env.world_size > 1:
+        _watchdog = watchdog = Watchdog(env, cfg.timeout, run_dir, hosts_store=hosts_store(env)).start()
+    else:
+        watchdog = NullWatchdog()
     try:
-        check_comm_hook(cfg.comm_hook, resolve_device_kind(cfg.device, cfg.backend, env.local_world_size)[1])
-        task = tasks.build(cfg)
-        cfg = cfg.with_task_defaults(task.defaults)
-        check_batch_fits(len(task.train_set), env.world_size, cfg.batch_size)
-        with process_group(env, cfg.device, cfg.backend, cfg.timeout) as ctx:
-            cfg.run_dir = agree_on_run_dir(cfg.run_dir, env)
-            pid_file = write_pid_file(Path(cfg.run_dir), ctx.rank)
-            outcome = Trainer(task, cfg, ctx).fit()
-            pid_file.unlink(missing_ok=True)
-    except ConfigError as error:
-        if getattr(error, "every_rank", False) and env.rank != 0:
-            print(f"ddptrain: error: {error}", file=sys.stderr, flush=True)
+        watchdog.phase("start-up: building the task")
+        task = tasks.build(cfg, factory)
+        check_batch_fits(len(task.train_set), env.world_size, cfg.batch_size)  # type: ignore[arg-type]
+        with joined(env, device_kind, backend, cfg.timeout, store, watchdog) as ctx:
+            status = Trainer(task, cfg, ctx).fit()
+    except ConfigError as error:  # the same on every rank: each returns it, the launcher says it once
+        watchdog.report_failure(error)
+        watchdog.stop()
         return "config_error", str(error)
-    if outcome == "preempted":
-        return outcome, (f"stopped by a signal at a step boundary; snapshot saved in "
-                         f"{cfg.run_dir}/snapshots; run the same command to resume")
-    return outcome, f"model saved to {cfg.run_dir}/model.pt"
+    except BaseException as error:
+        if not watchdog.report_failure(error) and not isinstance(error, PeerFailed):
+            # Another rank failed first; this one only felt it (a closed connection, say).
+            raise PeerFailed(f"rank {env.rank} stopped after another rank failed: "
+                             f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
+        raise
+    watchdog.stop()
+    Path(run_dir / "pids" / f"rank-{env.rank}.pid").unlink(missing_ok=True)
+    return status, outcome_message(status, cfg)
+
+
+def outcome_message(status: str, cfg: RunConfig) -> str:
+    if status == "preempted":
+        return (f"stopped by a signal at a step boundary; snapshot saved in {cfg.run_dir}/snapshots; "
+                "run the same command to resume")
+    if status == "already_finished":
+        return (f"{cfg.run_dir} holds a run that already finished {cfg.max_epochs} epoch(s); its model is "
+                f"{cfg.run_dir}/model.pt. To train it longer, pass a larger --max-epochs; to train afresh, "
+                "pass --resume never or another --run-dir")
+    return f"model saved to {cfg.run_dir}/model.pt"
 
 
 def show_warnings_with_rank(rank: int) -> None:
@@ -66,17 +113,6 @@ def check_batch_fits(dataset_len: int, world_size: int, batch_size: int) -> None
                           f"--batch-size {share} or less")
 
 
-def agree_on_run_dir(run_dir: str | None, env: Environment) -> str:
-    """Every rank must write to the same folder: rank 0's choice wins."""
-    if run_dir is None:
-        job_id = env.env.get("SLURM_JOB_ID") or env.env.get("TORCHELASTIC_RUN_ID", "none")
-        # A job id survives torchrun restarts and Slurm requeues, so resume finds its snapshots.
-        run_dir = os.path.join("runs", f"job-{job_id}") if job_id != "none" else default_run_dir()
-    choice = [run_dir]
-    dist.broadcast_object_list(choice, src=0)
-    return choice[0]
-
-
 def write_pid_file(run_dir: Path, rank: int) -> Path:
     """``RUN_DIR/pids/rank-N.pid``: which process is rank N (to signal it, or find it)."""
     folder = run_dir / "pids"
@@ -91,5 +127,6 @@ def exit_for(outcome: Outcome, is_main: bool) -> int:
     status, message = outcome
     if is_main and message:
         prefix = "ddptrain: error: " if status == "config_error" else "ddptrain: "
-        print(prefix + message, file=sys.stderr if status != "finished" else sys.stdout, flush=True)
+        print(prefix + message, file=sys.stderr if status not in ("finished", "already_finished") else sys.stdout,
+              flush=True)
     return EXIT_CODES[status]

@@ -1,7 +1,7 @@
-"""Task factories the tests pass as ``--task ddptrain_test_tasks:FUNC``.
+"""Task factories the tests pass as ``--task ddptrain_test_tasks:FUNC`` (or to ``fit``).
 
 They run inside real ranks; tests steer them with environment variables (inherited by every
-rank). None of them replaces a part of torch.distributed: they only fail, record or kill.
+rank). None of them replaces a part of torch.distributed: they only fail, hang, record or kill.
 """
 
 from __future__ import annotations
@@ -9,37 +9,123 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
+import time
 from pathlib import Path
 
 import torch
 from torch.nn import functional as F
-from torch.utils.data import TensorDataset
+from torch.utils.data import Subset, TensorDataset
 
 from ddptrain import Task
-from ddptrain.tasks.regression import regression_task
+from ddptrain.tasks import digits_task, regression_task
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 
 
-def _step_counter(loss_fn, on_step):
-    """Wrap a loss so ``on_step(step)`` runs before each step's loss (step counts from 1)."""
+def _rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def _on_step(task: Task, on_step) -> Task:
+    """Call ``on_step(n)`` before the n-th loss this rank computes (n counts from 1)."""
     calls = {"n": 0}
 
-    def wrapped(output, target):
-        calls["n"] += 1
-        on_step(calls["n"])
-        return loss_fn(output, target)
-    return wrapped
+    def counted(fn):
+        def wrapped(*args):
+            calls["n"] += 1
+            on_step(calls["n"])
+            return fn(*args)
+        return wrapped
+
+    if task.step_fn is not None:
+        task.step_fn = counted(task.step_fn)
+    else:
+        task.loss_fn = counted(task.loss_fn)
+    return task
+
+
+def _first_attempt(marker: Path) -> bool:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not marker.exists()
 
 
 def fail_on_rank(cfg) -> Task:
     """Rank FAIL_RANK raises at step FAIL_STEP."""
-    task = regression_task(cfg)
     rank, step = int(os.environ["FAIL_RANK"]), int(os.environ["FAIL_STEP"])
 
     def maybe_fail(n: int) -> None:
-        if n == step and int(os.environ["RANK"]) == rank:
+        if n == step and _rank() == rank:
             raise RuntimeError(f"deliberate failure on rank {rank} at step {step}")
-    task.loss_fn = _step_counter(task.loss_fn, maybe_fail)
-    return task
+    return _on_step(regression_task(cfg), maybe_fail)
+
+
+def killable(factory):
+    """``factory``, whose rank KILL_RANK SIGKILLs itself at its KILL_STEP-th loss, once (a
+    marker file KILL_MARKER says it happened); without KILL_RANK, just ``factory``."""
+    def build(cfg) -> Task:
+        task = factory(cfg)
+        if "KILL_RANK" not in os.environ:
+            return task
+        rank, step, marker = int(os.environ["KILL_RANK"]), int(os.environ["KILL_STEP"]), Path(os.environ["KILL_MARKER"])
+
+        def maybe_kill(n: int) -> None:
+            if n == step and _rank() == rank and _first_attempt(marker):
+                marker.write_text("killed")
+                os.kill(os.getpid(), signal.SIGKILL)
+        return _on_step(task, maybe_kill)
+    build.__name__ = build.__qualname__ = f"killable_{factory.__name__}"
+    return build
+
+
+kill_at_step = killable(regression_task)
+
+
+def kill_while_snapshotting(cfg) -> Task:
+    """On the first attempt, rank 0 dies half-way through writing its KILL_SNAPSHOT-th snapshot
+    file: half the bytes are in the temporary file when SIGKILL arrives."""
+    import io
+
+    import ddptrain.snapshot_files as files
+
+    target, marker = int(os.environ["KILL_SNAPSHOT"]), Path(os.environ["KILL_MARKER"])
+    real_save, calls = files.atomic_save, {"n": 0}
+
+    def dying_save(obj, path):
+        if path.name.startswith("step-"):
+            calls["n"] += 1
+        if calls["n"] == target and _first_attempt(marker):
+            marker.write_text("killed")
+            buffer = io.BytesIO()
+            torch.save(obj, buffer)
+            with open(path.with_name(f".{path.name}.{os.getpid()}.tmp"), "wb") as handle:
+                handle.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_save(obj, path)
+
+    files.atomic_save = dying_save
+    return regression_task(cfg)
+
+
+def kill_during_async_save(cfg) -> Task:
+    """digits under fsdp; on the first attempt rank 0 dies while its KILL_SNAPSHOT-th DCP snapshot
+    is being committed: every shard is on disk, the folder is still ``.step-N.partial``."""
+    import ddptrain.snapshot_dcp as sharded
+
+    target, marker = int(os.environ["KILL_SNAPSHOT"]), Path(os.environ["KILL_MARKER"])
+    real_commit, calls = sharded.commit, {"n": 0}
+
+    def dying_commit(future, meta, partial, final, keep):
+        calls["n"] += 1
+        if calls["n"] == target and _first_attempt(marker):
+            future.result()
+            marker.write_text(str(partial))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_commit(future, meta, partial, final, keep)
+
+    sharded.commit = dying_commit
+    return digits_task(cfg)
 
 
 def recording(cfg) -> Task:
@@ -47,79 +133,20 @@ def recording(cfg) -> Task:
     samples = int(os.environ.get("RECORD_SAMPLES", "200"))
     inputs = torch.zeros(samples, 4)
     inputs[:, 0] = torch.arange(samples, dtype=torch.float32)
-    targets = torch.zeros(samples, 1)
-    out = Path(os.environ["RECORD_DIR"])
-
-    def loss(output, target, inputs_seen=None):
-        return F.mse_loss(output, target)
-
-    model = _Recorder(out)
-    return Task(model=model, train_set=TensorDataset(inputs, targets), loss_fn=loss)
+    return Task(model=_Recorder(Path(os.environ["RECORD_DIR"])),
+                train_set=TensorDataset(inputs, torch.zeros(samples, 1)), loss_fn=F.mse_loss)
 
 
 class _Recorder(torch.nn.Module):
     def __init__(self, out: Path) -> None:
         super().__init__()
-        self.linear = torch.nn.Linear(4, 1)
+        self.linear = torch.nn.Linear(3, 1)
         self.out = out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with open(self.out / f"rank-{os.environ['RANK']}.jsonl", "a") as handle:
             handle.write(json.dumps(x[:, 0].long().tolist()) + "\n")
-        return self.linear(x)
-
-
-def kill_at_step(cfg) -> Task:
-    """On the first attempt only, rank KILL_RANK SIGKILLs itself at step KILL_STEP
-    (without KILL_RANK set, the plain regression task: what resuming such a run uses)."""
-    task = regression_task(cfg)
-    if "KILL_RANK" not in os.environ:
-        return task
-    rank, step = int(os.environ["KILL_RANK"]), int(os.environ["KILL_STEP"])
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    marker = Path(os.environ["KILL_MARKER"])
-
-    def maybe_kill(n: int) -> None:
-        if first_attempt and n == step and int(os.environ["RANK"]) == rank and not marker.exists():
-            marker.write_text("killed")
-            os.kill(os.getpid(), signal.SIGKILL)
-    task.loss_fn = _step_counter(task.loss_fn, maybe_kill)
-    return task
-
-
-def not_a_task(cfg):
-    return "not a task"
-
-
-def kill_while_snapshotting(cfg) -> Task:
-    """On the first attempt, rank 0 dies half-way through writing its KILL_SNAPSHOT-th snapshot:
-    half the bytes are in the temporary file when SIGKILL arrives."""
-    import io
-
-    import ddptrain.snapshot as snapshot
-
-    target = int(os.environ["KILL_SNAPSHOT"])
-    marker = Path(os.environ["KILL_MARKER"])
-    real_save = snapshot.atomic_save
-    calls = {"n": 0}
-
-    def dying_save(obj, path):
-        if path.name.startswith("step-"):
-            calls["n"] += 1
-        if calls["n"] == target and not marker.exists():
-            marker.write_text("killed")
-            buffer = io.BytesIO()
-            torch.save(obj, buffer)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            with open(tmp, "wb") as handle:
-                handle.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.kill(os.getpid(), signal.SIGKILL)
-        real_save(obj, path)
-
-    snapshot.atomic_save = dying_save
-    return regression_task(cfg)
+        return self.linear(x[:, 1:])  # feature 0 (the index) only identifies the sample
 
 
 def mlp_regression(cfg) -> Task:
@@ -129,7 +156,7 @@ def mlp_regression(cfg) -> Task:
     return task
 
 
-class _PlainDataset(torch.utils.data.Dataset):
+class PlainDataset(torch.utils.data.Dataset):
     """The same samples without the TensorDataset type: forces the DataLoader path."""
 
     def __init__(self, inner):
@@ -144,7 +171,13 @@ class _PlainDataset(torch.utils.data.Dataset):
 
 def regression_via_dataloader(cfg) -> Task:
     task = regression_task(cfg)
-    task.train_set = _PlainDataset(task.train_set)
+    task.train_set = PlainDataset(task.train_set)
+    return task
+
+
+def digits_via_dataloader(cfg) -> Task:
+    task = digits_task(cfg)
+    task.train_set, task.eval_set = PlainDataset(task.train_set), PlainDataset(task.eval_set)
     return task
 
 
@@ -162,3 +195,113 @@ def unused_parameters(cfg) -> Task:
     task = regression_task(cfg)
     task.model = _HalfUsed()
     return task
+
+
+class _SlowOnOneRank(torch.utils.data.Dataset):
+    """The regression samples; on rank SLOW_RANK each item first sleeps SLOW_SECONDS, or,
+    after HANG_AFTER items, forever (a rank stuck in user code)."""
+
+    def __init__(self, inner):
+        self.inner, self.served = inner, 0
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        if _rank() == int(os.environ.get("SLOW_RANK", "-1")):
+            self.served += 1
+            if self.served > int(os.environ.get("HANG_AFTER", "1000000000")):
+                wait_for_ever()
+            time.sleep(float(os.environ.get("SLOW_SECONDS", "0")))
+        return self.inner[index]
+
+
+def wait_for_ever():
+    while True:
+        time.sleep(3600)
+
+
+def slow_data(cfg) -> Task:
+    task = regression_task(cfg)
+    task.train_set = _SlowOnOneRank(task.train_set)
+    return task
+
+
+def nan_sample(cfg) -> Task:
+    """The regression data with one NaN feature in sample NAN_INDEX (default 100)."""
+    task = regression_task(cfg)
+    inputs, targets = task.train_set.tensors
+    inputs = inputs.clone()
+    inputs[int(os.environ.get("NAN_INDEX", "100")), 3] = float("nan")
+    task.train_set = TensorDataset(inputs, targets)
+    return task
+
+
+kill_nan_sample = killable(nan_sample)
+
+
+# --- tasks that cannot be trained (one-line errors naming the field) ---------------------------
+def not_a_task(cfg):
+    return "not a task"
+
+
+def both_loss_and_step(cfg) -> Task:
+    task = regression_task(cfg)
+    task.step_fn = lambda model, batch: F.mse_loss(model(batch[0]), batch[1])
+    return task
+
+
+def neither_loss_nor_step(cfg) -> Task:
+    task = regression_task(cfg)
+    task.loss_fn = None
+    return task
+
+
+def non_scalar_step(cfg) -> Task:
+    task = regression_task(cfg)
+    task.loss_fn = None
+    task.step_fn = lambda model, batch: F.mse_loss(model(batch[0]), batch[1], reduction="none")
+    return task
+
+
+def eval_without_samples(cfg) -> Task:
+    task = digits_task(cfg)
+    task.loss_fn, task.metrics = None, {}
+    task.step_fn = lambda model, batch: F.cross_entropy(model(batch[0]), batch[1])
+    task.eval_fn = lambda model, batch: {"loss": F.cross_entropy(model(batch[0]), batch[1], reduction="sum")}
+    return task
+
+
+# --- bigger models -------------------------------------------------------------------------------
+def mlp_34m(cfg) -> Task:
+    """A ~34M-parameter MLP (8 blocks of 2048x2048) with AdamW: fsdp against ddp memory."""
+    width, blocks = 2048, 8
+    model = torch.nn.Sequential(torch.nn.Linear(20, width),
+                                *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU())
+                                  for _ in range(blocks)],
+                                torch.nn.Linear(width, 1))
+    data = regression_task(cfg).train_set
+    return Task(model=model, train_set=Subset(data, range(256)), loss_fn=F.mse_loss,
+                defaults={"optimizer": "adamw", "lr": 1e-4})
+
+
+def small_gpt2(cfg) -> Task:
+    """examples/hf_causal_lm.py's GPT-2 on a quarter of its training chunks (test time)."""
+    import hf_causal_lm
+
+    task = hf_causal_lm.gpt2_task(cfg)
+    task.train_set = Subset(task.train_set, range(len(task.train_set) // 4))
+    return task
+
+
+kill_small_gpt2 = killable(small_gpt2)
+
+
+def cnn(cfg) -> Task:
+    """examples/image_classifier.py: dict samples, a transform, collate_fn, BatchNorm."""
+    import image_classifier
+
+    return image_classifier.cnn_task(cfg)
+
+
+kill_cnn = killable(cnn)

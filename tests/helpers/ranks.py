@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ports import free_port
+from ddptrain import free_port
 
 
 def _rank_main(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple) -> None:

@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from ports import free_port
+from ddptrain import free_port
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 

@@ -14,22 +14,25 @@ from collections.abc import Callable
 import torch
 
 from ..config import ConfigError, RunConfig
-from .protocol import Task, TaskFactory
+from .protocol import Task, TaskFactory, check_task
 
-__all__ = ["Task", "TaskFactory", "build", "resolve_factory", "BUILTIN"]
+__all__ = ["Task", "TaskFactory", "build", "resolve_factory", "factory_name", "BUILTIN", "regression_task",
+           "digits_task"]
 
 
-def _regression(cfg: RunConfig) -> Task:
+def regression_task(cfg: RunConfig) -> Task:
+    """The tutorial's job: 2048 random samples, 20 features -> 1, Linear(20, 1), MSE."""
     from .regression import regression_task
     return regression_task(cfg)
 
 
-def _digits(cfg: RunConfig) -> Task:
+def digits_task(cfg: RunConfig) -> Task:
+    """scikit-learn's 8x8 digits (shipped with ddptrain), a small MLP, cross-entropy, accuracy."""
     from .digits import digits_task
     return digits_task(cfg)
 
 
-BUILTIN: dict[str, TaskFactory] = {"regression": _regression, "digits": _digits}
+BUILTIN: dict[str, TaskFactory] = {"regression": regression_task, "digits": digits_task}
 
 
 def resolve_factory(name: str) -> TaskFactory:
@@ -40,6 +43,9 @@ def resolve_factory(name: str) -> TaskFactory:
         raise ConfigError(f"--task {name}: unknown task; use one of {', '.join(BUILTIN)} "
                           "or MODULE:FUNC for a factory of your own")
     module_name, func_name = name.split(":", 1)
+    if not (all(part.isidentifier() for part in module_name.split(".")) and func_name.isidentifier()):
+        raise ConfigError(f"--task {name}: not MODULE:FUNC (e.g. my_tasks:make_task, a module on "
+                          "PYTHONPATH or in the current folder, and a function in it)")
     if os.getcwd() not in sys.path:  # like `python -m`, find modules in the current folder
         sys.path.insert(0, os.getcwd())
     try:
@@ -53,12 +59,16 @@ def resolve_factory(name: str) -> TaskFactory:
     return factory
 
 
+def factory_name(factory: Callable[..., Task]) -> str:
+    """``module:qualname`` of a factory function, the name ``--task`` would give it."""
+    module = getattr(factory, "__module__", None) or "__main__"
+    return f"{module}:{getattr(factory, '__qualname__', type(factory).__name__)}"
+
+
 def build(cfg: RunConfig, factory: Callable[[RunConfig], Task] | None = None) -> Task:
     """Build the task on this rank. Seeded so every rank gets the same weights and data."""
     factory = factory or resolve_factory(cfg.task)
     torch.manual_seed(cfg.seed)
     task = factory(cfg)
-    if not isinstance(task, Task):
-        raise ConfigError(f"--task {cfg.task}: the factory returned {type(task).__name__}, "
-                          "not a ddptrain.Task")
+    check_task(task, cfg.task)
     return task

@@ -1,34 +1,75 @@
-"""The task protocol: what a task factory returns."""
+"""The task protocol: what a task factory returns. docs/api.md is the reference."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# A metric returns the *sum* of its per-sample values over the batch (e.g. the number of
-# correct predictions); ddptrain adds the sums of every rank and divides by the count, so
-# distributed evaluation equals single-process evaluation.
-MetricFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+from ..config import ConfigError
+
+# Tutorial-shaped batches ``(inputs, target)``: the loss of one batch, and metrics that each
+# return the *sum* of a per-sample figure over the batch (e.g. the number of correct
+# predictions). ddptrain adds the sums of every rank and divides by the number of samples,
+# so distributed evaluation equals single-process evaluation.
+LossFn = Callable[[Any, Any], torch.Tensor]
+MetricFn = Callable[[Any, Any], torch.Tensor]
+# Batches of any structure: the scalar loss of one batch (called inside autocast), and the
+# evaluation sums of one batch, with the batch's sample count under "samples".
+StepFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+EvalFn = Callable[[torch.nn.Module, Any], Mapping[str, Any]]
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass
 class Task:
-    """Everything a run trains: build it the same way on every rank (same seed, same data)."""
+    """Everything a run trains. Every rank calls the factory: build it the same way on every
+    rank (from ``cfg.seed``), so all hold the same data and the same initial weights."""
 
     model: torch.nn.Module
     train_set: Dataset
-    loss_fn: LossFn
+    loss_fn: LossFn | None = None
     eval_set: Dataset | None = None
     metrics: dict[str, MetricFn] = field(default_factory=dict)
     make_optimizer: OptimizerFactory | None = None
     # Defaults for hyper-parameters the user did not set (keys of config.GLOBAL_DEFAULTS).
     defaults: dict[str, Any] = field(default_factory=dict)
+    # Batches of any structure (dicts, nested tuples; Hugging Face style).
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    step_fn: StepFn | None = None
+    eval_fn: EvalFn | None = None
+    # --strategy fsdp / --activation-checkpointing: the submodules that are blocks (default:
+    # the members of the model's largest ModuleList or Sequential).
+    blocks: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = None
 
 
 TaskFactory = Callable[[Any], Task]
+
+
+def check_task(task: Any, name: str) -> None:
+    """ConfigError (one line, naming the field) for a Task that cannot be trained."""
+    if not isinstance(task, Task):
+        raise ConfigError(f"--task {name}: the factory returned {type(task).__name__}, not a ddptrain.Task")
+    if not isinstance(task.model, torch.nn.Module):
+        raise ConfigError(f"--task {name}: Task.model is {type(task.model).__name__}, not a torch.nn.Module")
+    if (task.loss_fn is None) == (task.step_fn is None):
+        which = "both loss_fn and step_fn" if task.loss_fn is not None else "neither loss_fn nor step_fn"
+        raise ConfigError(f"--task {name}: Task has {which}; give exactly one "
+                          "(loss_fn for (inputs, target) batches, step_fn(model, batch) for any other)")
+    if task.step_fn is not None and task.metrics:
+        raise ConfigError(f"--task {name}: Task.metrics works with loss_fn only; with step_fn, "
+                          "report figures from eval_fn(model, batch)")
+    for name_, value in (("collate_fn", task.collate_fn), ("step_fn", task.step_fn),
+                         ("eval_fn", task.eval_fn), ("loss_fn", task.loss_fn), ("blocks", task.blocks)):
+        if value is not None and not callable(value):
+            raise ConfigError(f"--task {name}: Task.{name_} is {type(value).__name__}, not a function")
+    try:
+        len(task.train_set)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"--task {name}: Task.train_set has no len(); ddptrain shards map-style "
+                          "data sets (torch.utils.data.Dataset with __len__ and __getitem__)") from None
+    if len(task.train_set) == 0:  # type: ignore[arg-type]
+        raise ConfigError(f"--task {name}: Task.train_set is empty")

@@ -1,4 +1,6 @@
-"""Snapshots: atomic writes, validated loads, rotation. No snapshot is lost or half-written.
+"""Snapshot files: atomic writes, validated loads, rotation. No snapshot is lost or half-written.
+
+(What to save and when, and where a run resumes, is checkpointer.py's business.)
 
 A snapshot is written to a hidden temporary file in the same folder, flushed, fsynced,
 renamed over its final name with ``os.replace`` (atomic on POSIX), and the folder is fsynced
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -20,43 +23,48 @@ import torch
 
 from .config import ConfigError
 
-FORMAT_VERSION = 1
-_NAME = re.compile(r"^step-(\d{9})\.pt$")
+FORMAT_VERSION = 2
+_NAME = re.compile(r"^step-(\d{9})(\.pt)?$")  # a file (one rank wrote it) or a DCP folder (sharded)
 REQUIRED = {
-    "format_version": int, "model": dict, "optimizer": dict, "epoch": int, "step_in_epoch": int,
-    "global_step": int, "world_size": int, "batch_size": int, "global_batch": int,
+    "format_version": int, "progress": dict, "world_size": int, "batch_size": int, "global_batch": int,
     "fingerprint": dict, "rng": list,
 }
+WEIGHTS = {"model": dict, "optimizer": dict}  # in a file; a DCP folder holds them as shards
+PROGRESS = ("epoch", "step_in_epoch", "global_step")
 
 
 class SnapshotError(ConfigError):
     """A snapshot cannot be used: one line naming the file and the problem."""
 
 
-class SnapshotNotShared(SnapshotError):
-    """This rank cannot see a snapshot rank 0 wrote: the run dir is not on shared storage."""
-
-    every_rank = True  # only the ranks that hit it know: each prints it, not only rank 0
-
-    def __init__(self, rank: int, path: str | Path) -> None:
-        super().__init__(f"rank {rank} cannot see snapshot {path} written by rank 0: put --run-dir "
-                         "on storage every node shares")
-
-
 def snapshot_dir(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir) / "snapshots"
 
 
-def snapshot_name(global_step: int) -> str:
-    return f"step-{global_step:09d}.pt"
+def snapshot_name(global_step: int, folder: bool = False) -> str:
+    return f"step-{global_step:09d}" + ("" if folder else ".pt")
+
+
+def snapshot_step(path: Path) -> int:
+    return int(_NAME.match(path.name).group(1))  # type: ignore[union-attr]
 
 
 def list_snapshots(directory: Path) -> list[Path]:
-    """Complete snapshots, oldest first. Temporary files (``.*.tmp``) never appear here."""
+    """Complete snapshots (files and DCP folders), oldest first. Temporary files (``.*.tmp``)
+    and unfinished folders (``.*.partial``) never appear here."""
     if not directory.is_dir():
         return []
-    found = [p for p in directory.iterdir() if _NAME.match(p.name)]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))  # type: ignore[union-attr]
+    found = [p for p in directory.iterdir() if (m := _NAME.match(p.name)) and (p.is_dir() != bool(m.group(2)))]
+    return sorted(found, key=snapshot_step)
+
+
+def rotate(directory: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` snapshots (only ever after a new one is committed)."""
+    for old in list_snapshots(directory)[:-keep]:
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -87,10 +95,9 @@ def write_snapshot(state: dict[str, Any], directory: Path, keep: int) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     for stale in directory.glob(".*.tmp"):  # left by a writer that was killed
         stale.unlink(missing_ok=True)
-    path = directory / snapshot_name(state["global_step"])
+    path = directory / snapshot_name(state["progress"]["global_step"])
     atomic_save(state, path)
-    for old in list_snapshots(directory)[:-keep]:
-        old.unlink(missing_ok=True)
+    rotate(directory, keep)
     return path
 
 
@@ -121,7 +128,13 @@ class SnapshotWriter:
             pending, self.pending = self.pending, None
             pending.result()
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Finish the write in flight (``wait``), or leave it to the process's end (after a
+        failure: a half-written temporary file is never a snapshot, and the next writer
+        removes it)."""
+        if not wait:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            return
         try:
             self.wait()
         finally:
@@ -129,51 +142,61 @@ class SnapshotWriter:
 
 
 def load_snapshot(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load and validate one snapshot; SnapshotError (one line) when it cannot be used."""
+    """Load and validate one snapshot (of a DCP folder, its meta.pt: the shards are loaded
+    later, into the model); SnapshotError (one line) when it cannot be used."""
+    folder = path.is_dir()
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path / "meta.pt" if folder else path, map_location=map_location, weights_only=True)
     except Exception as error:  # truncated, empty, not a zip, or a pickle weights_only refuses
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise SnapshotError(f"snapshot {path} cannot be read ({first_line[:200]})") from None
     if not isinstance(state, dict):
         raise SnapshotError(f"snapshot {path} is not a ddptrain snapshot (holds {type(state).__name__})")
-    for key, kind in REQUIRED.items():
+    version = state.get("format_version")
+    if isinstance(version, int) and version != FORMAT_VERSION:
+        raise SnapshotError(f"snapshot {path} has format version {version}; this ddptrain reads version "
+                            f"{FORMAT_VERSION}; use --resume never or another --run-dir")
+    for key, kind in {**REQUIRED, **({} if folder else WEIGHTS)}.items():
         if not isinstance(state.get(key), kind):
             raise SnapshotError(f"snapshot {path} is not a ddptrain snapshot (field {key!r} "
                                 f"missing or not {kind.__name__})")
-    if state["format_version"] != FORMAT_VERSION:
-        raise SnapshotError(f"snapshot {path} has format version {state['format_version']}; "
-                            f"this ddptrain reads version {FORMAT_VERSION}")
+    if not all(isinstance(state["progress"].get(k), int) for k in PROGRESS):
+        raise SnapshotError(f"snapshot {path} is not a ddptrain snapshot (progress lacks {PROGRESS})")
     return state
 
 
 def load_newest(directory: Path, map_location: str | torch.device = "cpu"
                 ) -> tuple[Path, dict[str, Any]] | None:
-    """The newest snapshot that loads; broken ones are skipped with a warning naming them."""
+    """The newest snapshot that loads; broken newer ones are skipped with a warning naming them."""
     candidates = list_snapshots(directory)
+    skipped: list[SnapshotError] = []
     for path in reversed(candidates):
         try:
-            return path, load_snapshot(path, map_location)
+            found = path, load_snapshot(path, map_location)
         except SnapshotError as error:
-            warnings.warn(f"{error}; trying the previous snapshot", stacklevel=2)
+            skipped.append(error)
+            continue
+        for error in skipped:
+            warnings.warn(f"{error}; resuming from the previous snapshot", stacklevel=2)
+        return found
     if candidates:
-        raise SnapshotError(f"no usable snapshot in {directory} ({len(candidates)} found, all "
-                            "unreadable); start afresh with --resume never or another --run-dir")
+        newest = str(skipped[0]).split(" ", 2)[-1]
+        raise SnapshotError(f"no usable snapshot in {directory} ({len(candidates)} found, none readable; the newest: "
+                            f"{newest}); start afresh with --resume never or another --run-dir")
     return None
 
 
-def check_model_matches(model: torch.nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
-    """Name the first mismatch between the model and a snapshot's weights."""
-    current = model.state_dict()
+def check_model_matches(current: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]], path: Path) -> None:
+    """Name the first mismatch between the model's parameter shapes and a snapshot's."""
     missing = sorted(set(current) - set(saved))
     unexpected = sorted(set(saved) - set(current))
     if missing or unexpected:
         raise SnapshotError(f"snapshot {path} holds another model: missing keys {missing[:3]}, "
                             f"unexpected keys {unexpected[:3]}; use --resume never or another --run-dir")
-    for key, tensor in current.items():
-        if tuple(saved[key].shape) != tuple(tensor.shape):
+    for key, shape in current.items():
+        if tuple(saved[key]) != tuple(shape):
             raise SnapshotError(f"snapshot {path} holds another model: {key} has shape "
-                                f"{tuple(saved[key].shape)}, the model {tuple(tensor.shape)}")
+                                f"{tuple(saved[key])}, the model {tuple(shape)}")
 
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:

@@ -1,0 +1,90 @@
+"""A Hugging Face transformer on ddptrain: a small GPT-2 (random weights, nothing downloaded)
+learning byte-level language modelling on text that ships with Python (the standard
+library's own source). Dict batches, a collate_fn, step_fn and eval_fn.
+
+    pip install 'ddptrain[hf]'
+    python examples/hf_causal_lm.py --max_epochs 3              # from Python: ddptrain.fit
+    cd examples && ddptrain train --task hf_causal_lm:gpt2_task  # or the command line
+"""
+
+import argparse
+import inspect
+import json
+import textwrap
+
+import torch
+from torch.utils.data import Dataset
+
+import ddptrain
+
+SEQUENCE = 64  # bytes per sample (the model's context)
+
+
+def corpus() -> bytes:
+    """Some 100 KB of English and Python from the standard library (the same on every machine
+    with the same Python)."""
+    return "".join(inspect.getsource(module) for module in (textwrap, json.decoder, argparse)).encode()
+
+
+class ByteChunks(Dataset):
+    """Consecutive SEQUENCE-byte chunks of ``data``, as dicts (Hugging Face style)."""
+
+    def __init__(self, data: bytes) -> None:
+        tokens = torch.tensor(list(data), dtype=torch.long)
+        self.chunks = tokens[: len(tokens) // SEQUENCE * SEQUENCE].view(-1, SEQUENCE)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.chunks[index]}
+
+
+def collate(samples: list[dict]) -> dict:
+    """Stack the samples; a causal LM's labels are its inputs (the model shifts them)."""
+    input_ids = torch.stack([s["input_ids"] for s in samples])
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids}
+
+
+def step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    return model(**batch).loss
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batch: dict) -> dict:
+    """Per-batch sums: ddptrain adds them over ranks and divides by "samples"."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = batch["labels"][:, 1:]
+    per_token = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).float(), targets,
+                                                  reduction="none")
+    per_sequence = per_token.mean(dim=1)
+    return {"loss": per_sequence.sum(), "perplexity": per_sequence.exp().sum(), "samples": len(per_sequence)}
+
+
+def gpt2_task(cfg: ddptrain.RunConfig) -> ddptrain.Task:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=256, n_positions=SEQUENCE, n_embd=64, n_layer=2, n_head=2)
+    chunks = ByteChunks(corpus())
+    cut = len(chunks) * 9 // 10
+    return ddptrain.Task(
+        model=GPT2LMHeadModel(config),  # seeded by ddptrain: the same initial weights on every rank
+        train_set=torch.utils.data.Subset(chunks, range(cut)),
+        eval_set=torch.utils.data.Subset(chunks, range(cut, len(chunks))),
+        collate_fn=collate,
+        step_fn=step,
+        eval_fn=evaluate,
+        blocks=lambda model: list(model.transformer.h),  # for --strategy fsdp / --activation-checkpointing
+        defaults={"optimizer": "adamw", "lr": 2e-3},
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="a small GPT-2 trained with ddptrain.fit")
+    parser.add_argument("--max_epochs", type=int, default=3)
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--run_dir", default=None)
+    args = parser.parse_args()
+    summary = ddptrain.fit(gpt2_task, max_epochs=args.max_epochs, batch_size=args.batch_size, run_dir=args.run_dir)
+    if summary:
+        print(f"eval loss {summary['eval_loss']:.3f}, perplexity {summary['eval_perplexity']:.1f}")

@@ -1,0 +1,121 @@
+"""``ddptrain.fit``: the same path as ``ddptrain train``, from Python.
+
+``prepare`` turns a task and options (keyword arguments, a settings file, or the command
+line's flags) into a validated RunConfig; ``execute`` runs it: as one rank when a launcher
+(torchrun, srun, torch.distributed.launch) started this process, else by starting the local
+ranks through torch's elastic launcher. Both ``fit`` and the command line go through both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from . import tasks
+from .config import (
+    ConfigError,
+    RunConfig,
+    default_run_dir,
+    from_options,
+    make_run_dir,
+    parse_nproc,
+    read_settings_file,
+    validate,
+)
+from .tasks.protocol import TaskFactory
+from .worker import Outcome
+
+
+class TrainingFailed(RuntimeError):
+    """A rank failed or hung; the message is ddptrain's report (which rank, and why)."""
+
+
+class Stopped(RuntimeError):
+    """A stop signal ended training after a snapshot; the same call resumes it."""
+
+
+def prepare(task: str | TaskFactory | None, options: Mapping[str, Any],
+            config_file: str | None = None) -> tuple[RunConfig, TaskFactory | None]:
+    """A validated RunConfig and the task factory (None: ``cfg.task`` names it)."""
+    settings: dict[str, Any] = {}
+    if config_file:
+        settings = read_settings_file(config_file)
+        from_options(settings, where=f"--config {config_file}:")  # its mistakes name the file
+    settings.update(options)
+    factory = None
+    if callable(task):
+        factory, settings["task"] = task, tasks.factory_name(task)
+    elif task is not None:
+        settings["task"] = task
+    cfg = from_options(settings)
+    validate(cfg)
+    if factory is None:
+        tasks.resolve_factory(cfg.task)  # import errors before any rank starts
+    return cfg, factory
+
+
+def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | None = None) -> Outcome:
+    """Run the job: as this rank under a launcher, else start the local ranks here."""
+    from .environments import LocalEnvironment, detect
+
+    env = detect(local_rank_arg=local_rank_arg)
+    env.validate()
+    cfg = dataclasses.replace(cfg, run_dir=cfg.run_dir or default_run_dir(cfg))
+    make_run_dir(cfg.run_dir)  # type: ignore[arg-type]
+    if cfg.resume not in ("auto", "never"):
+        from .checkpointer import check_resume_path
+        check_resume_path(cfg.resume)
+    if not isinstance(env, LocalEnvironment):  # torchrun or srun started this process
+        from .worker import run_rank
+        return run_rank(cfg, factory, local_rank_arg)
+    from .dist import check_comm_hook, resolve_device_kind
+    from .launch import auto_nproc, launch_local
+
+    nproc = parse_nproc(cfg.nproc) or auto_nproc(cfg.device)
+    device_kind, backend = resolve_device_kind(cfg.device, cfg.backend, nproc)
+    check_comm_hook(cfg.comm_hook, backend)
+    return launch_local(cfg, nproc, device_kind, factory)
+
+
+def fit(task: str | TaskFactory, *, config: str | None = None, **options: Any) -> dict[str, Any]:
+    """Train ``task`` and return the run's summary (what ``ddptrain report`` prints).
+
+    ``task``: a factory (a function ``cfg -> Task``, which may live in your script's
+    ``__main__``), a built-in name, or ``"MODULE:FUNC"``. ``options``: the flags of
+    ``ddptrain train`` as keyword arguments (``max_epochs=5``, ``nproc=2``, ``run_dir=...``);
+    ``config``: a TOML settings file or a run's config.json (keyword arguments win).
+
+    Without a launcher it starts the local ranks itself and returns in this process; under
+    torchrun or srun it runs as this rank and returns the summary on rank 0, ``{}`` elsewhere.
+    Raises ConfigError (the command line's one-line message) for bad options, TrainingFailed
+    when a rank fails or hangs, Stopped after a stop signal.
+    """
+    cfg, factory = prepare(task, options, config)
+    from .launch import LaunchFailed
+
+    try:
+        status, message = execute(cfg, factory)
+    except LaunchFailed as failure:
+        if failure.exit_code == 2:
+            raise ConfigError(str(failure).removeprefix("ddptrain: error: ")) from None
+        raise TrainingFailed(str(failure)) from None
+    if status == "config_error":
+        raise ConfigError(message)
+    if status == "preempted":
+        raise Stopped(message)
+    if status == "already_finished":
+        print(f"ddptrain: {message}", flush=True)
+    return summary_of(cfg)
+
+
+def summary_of(cfg: RunConfig) -> dict[str, Any]:
+    """The finished run's summary on rank 0 (read from its metrics.jsonl), ``{}`` elsewhere."""
+    import os
+    from pathlib import Path
+
+    from .report import summarize
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return {}
+    return summarize(Path(cfg.run_dir or default_run_dir(cfg)))

@@ -1,0 +1,173 @@
+"""How a failed job is reported: which rank caused it, and what every other rank was doing.
+
+Every rank that ends abnormally leaves torch's error file (``@record``'s format, also read by
+torchrun), and exits at once (``hard_exit``): an interpreter shutting down after a failure
+can block for minutes tearing down a process group whose peer is gone.
+
+The launcher reads the files and picks the root cause. Ranks that only stopped because
+another failed (``PeerFailed``), waited for a hung rank (``PeerStuck``), or lost their
+connection to a dead peer are never blamed while a better candidate exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class PeerFailed(RuntimeError):
+    """This rank was fine: it stopped because another rank failed."""
+
+
+class RankStuck(RuntimeError):
+    """This rank did not reach a collective the others were waiting in (a hang's culprit)."""
+
+
+class PeerStuck(RuntimeError):
+    """This rank waited in a collective for a rank that never arrived."""
+
+
+class StorageNotShared(RuntimeError):
+    """A rank cannot see a file rank 0 wrote: the run dir is not on storage every node shares."""
+
+    def __init__(self, rank: int, path: str | os.PathLike[str]) -> None:
+        super().__init__(f"rank {rank} cannot see snapshot {path} written by rank 0: put --run-dir "
+                         "on storage every node shares")
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the weights stopped being finite; nothing non-finite was saved."""
+
+
+SECONDARY = ("PeerFailed", "PeerStuck")
+# Reported as one line "ddptrain: error: ..." (no traceback); the value is the exit status.
+ONE_LINE = {"ConfigError": 2, "SnapshotError": 2, "StorageNotShared": 2, "NonFiniteError": 1}
+# What a rank sees when its peer has died: the peer is the cause, not this rank.
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ECONNRESET",
+             "Socket closed", "Connection refused")
+
+
+def record_error(error: BaseException) -> None:
+    """Write ``error`` to this rank's torchelastic error file (when a launcher asked for one)."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    try:
+        raise error
+    except BaseException as raised:  # record_exception reads the exception being handled
+        ErrorHandler().record_exception(raised)
+
+
+def hard_exit(code: int) -> None:
+    """End this process now, skipping interpreter shutdown (see the module docstring)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+@dataclass
+class RankError:
+    rank: int
+    mtime_ns: int
+    message: str  # "ExceptionType: text"
+    traceback: str
+
+    @property
+    def kind(self) -> str:
+        return self.message.split(":", 1)[0]
+
+    @property
+    def text(self) -> str:
+        return self.message.split(": ", 1)[1] if ": " in self.message else self.message
+
+    @property
+    def lost_peer(self) -> bool:
+        return any(words in self.message for words in LOST_PEER)
+
+
+def read_error_files(attempt_dir: Path) -> dict[int, RankError]:
+    """rank -> its error, from one attempt's ``<rank>/error.json`` files."""
+    found = {}
+    for path in attempt_dir.glob("*/error.json"):
+        try:
+            body = json.loads(path.read_text())["message"]
+            found[int(path.parent.name)] = RankError(int(path.parent.name), path.stat().st_mtime_ns,
+                                                     body["message"], body["extraInfo"]["py_callstack"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def root_cause(errors: dict[int, RankError], killed: dict[int, str]) -> RankError | int | None:
+    """The error to show, or the rank killed by a signal that explains the rest."""
+    def earliest(candidates: list[RankError]) -> RankError | None:
+        return min(candidates, key=lambda e: e.mtime_ns) if candidates else None
+
+    primary = [e for e in errors.values() if e.kind not in SECONDARY and not e.lost_peer]
+    if primary:
+        return earliest(primary)
+    silent = sorted(r for r in killed if r not in errors)
+    if silent:
+        return silent[0]
+    return earliest([e for e in errors.values() if e.kind not in SECONDARY]) or earliest(list(errors.values()))
+
+
+def failure_report(failure: Any, nproc: int, run_dir: Path) -> tuple[str, int]:
+    """(what to print, exit status) for torch's ChildFailedError."""
+    reported = next(iter(failure.failures.values()))
+    attempt_dir = Path(reported.error_file).parent.parent if reported.error_file else None
+    errors = read_error_files(attempt_dir) if attempt_dir else {}
+    killed = {rank: _signal_name(f.exitcode) for rank, f in failure.failures.items() if f.exitcode < 0}
+    if any(e.kind in ("RankStuck", "PeerStuck") for e in errors.values()):
+        return _hang_report(errors, run_dir), 1
+    cause = root_cause(errors, killed)
+    if isinstance(cause, int):
+        lines = [f"ddptrain: rank {cause} was killed by {killed[cause]} (out of memory, or killed "
+                 "from outside); no error report"]
+    elif cause is None:
+        return (f"ddptrain: rank {reported.local_rank} failed (exit code {reported.exitcode}); "
+                "no error report\n" + str(failure)), 1
+    elif cause.kind in ONE_LINE:
+        return f"ddptrain: error: {cause.text}", ONE_LINE[cause.kind]
+    elif cause.kind == "PeerFailed" and "reported a configuration error: " in cause.text:
+        message = cause.text.split("reported a configuration error: ", 1)[1]
+        return f"ddptrain: error: {message.split(': ', 1)[-1]}", 2
+    else:
+        lines = [f"ddptrain: rank {cause.rank} failed first; its traceback:", cause.traceback.rstrip(), ""]
+    cause_rank = cause if isinstance(cause, int) else cause.rank
+    for rank in range(nproc):
+        if rank == cause_rank:
+            continue
+        if rank in errors and errors[rank].kind in SECONDARY:
+            lines.append(f"ddptrain: {errors[rank].text.split(': ', 1)[0]}")
+        elif rank in errors:
+            lines.append(f"ddptrain: rank {rank}: {errors[rank].text.splitlines()[0][:300]}")
+        else:
+            lines.append(f"ddptrain: rank {rank}: stopped by the launcher")
+    if attempt_dir:
+        lines.append(f"ddptrain: training failed; error reports in {attempt_dir}")
+    return "\n".join(lines), 1
+
+
+def _hang_report(errors: dict[int, RankError], run_dir: Path) -> str:
+    summary = run_dir / "logs" / "hang.txt"
+    if summary.is_file():
+        return summary.read_text().rstrip()
+    stuck = [e for e in errors.values() if e.kind == "RankStuck"]
+    return "\n".join(f"ddptrain: {e.text}" for e in stuck) or "ddptrain: a rank hung (no summary was written)"
+
+
+def _signal_name(exitcode: int) -> str:
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"

@@ -1,0 +1,88 @@
+"""``--strategy fsdp``: FSDP2 (``fully_shard``) for models that do not fit one device.
+
+Each block (``Task.blocks``, else the members of the model's largest ModuleList or
+Sequential) is sharded, then the root: each rank holds 1/W of the parameters, gradients and
+optimizer state, and all-gathers a block's parameters just before it runs. Snapshots are
+DCP folders written by every rank (snapshot_dcp.py); model.pt is gathered for rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from .config import RunConfig
+from .dist import DistContext
+from .strategy import DDPStrategy, _no_blocks_error, checkpoint_blocks, find_blocks
+from .tasks.protocol import Task
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class FSDPStrategy(DDPStrategy):
+    name = "fsdp"
+    snapshot_format = "dcp"
+
+    def __init__(self, cfg: RunConfig, ctx: DistContext) -> None:
+        super().__init__(cfg, ctx)
+        self.forward_syncs = True  # every block's forward all-gathers its parameters
+        # --precision is FSDP's mixed-precision policy (parameters cast once per all-gather,
+        # gradients reduced in fp32), not autocast.
+        self.autocast = False
+
+    def wrap(self, module: torch.nn.Module, task: Task) -> torch.nn.Module:
+        module.to(self.ctx.device)
+        blocks = find_blocks(module, task)
+        if not blocks:
+            raise _no_blocks_error("--strategy fsdp")
+        if self.cfg.activation_checkpointing:
+            checkpoint_blocks(module, blocks)
+            blocks = find_blocks(module, task) if task.blocks is None else blocks
+        dtype = DTYPES.get(self.cfg.precision)
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        for block in blocks:
+            fully_shard(block, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=policy)
+        fully_shard(module, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=policy)
+        return torch.compile(module) if self.cfg.compile else module
+
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        """Accumulation micro-batches before the last: no reduce-scatter of gradients."""
+        module = getattr(model, "_orig_mod", model)
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+
+    def eval_model(self, module: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
+        return module  # sharded: its forward all-gathers, so every rank runs the same number
+
+    def load_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                   whole: bool) -> None:
+        """Whole tensors (a DDP snapshot) are sharded here; shards from DCP are set as they are.
+        torch shards whole optimizer state only when it holds tensors (plain SGD holds none)."""
+        if not whole:
+            set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            return
+        set_model_state_dict(module, state["model"], options=StateDictOptions(full_state_dict=True))
+        has_tensors = any(isinstance(v, torch.Tensor) and v.dim() for s in state["optimizer"]["state"].values()
+                          for v in s.values())
+        set_optimizer_state_dict(module, optimizer, state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=has_tensors))
+
+    def full_model_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """model.pt: every rank helps gather the whole model; rank 0 receives it on CPU."""
+        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.ctx.is_main else None

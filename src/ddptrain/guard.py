@@ -1,0 +1,84 @@
+"""Nothing non-finite is ever saved.
+
+Default: no host synchronisation per step. Each step's loss already lands in the epoch's
+loss slots on the device (metrics.EpochLosses); before every snapshot, evaluation, epoch
+record and ``model.pt`` the ranks reduce "the first step whose loss was not finite" (folded
+into a reduction that happens there anyway) and check their weights. A bad step stops the
+run with one line naming the step, its epoch and the rank(s); the snapshots already on
+disk are all finite, so the last good one survives rotation.
+
+``--skip-nonfinite N``: every step, each rank checks its loss and its (all-reduced)
+gradients and the ranks agree with one tiny all-reduce; a bad step is skipped by every rank
+together (no optimizer step, no scaler update), recorded in metrics.jsonl, and the run stops
+at the N+1-th.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from .failures import NonFiniteError
+
+REMEDY = ("find the bad sample or lower --lr, or pass --skip-nonfinite N to skip such steps "
+          "on every rank together")
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when no tensor holds a NaN or an infinity (one fused reduction; syncs the host)."""
+    tensors = [t.detach() for t in tensors if t is not None]
+    if not tensors:
+        return True
+    total = torch.nn.utils.get_total_norm(tensors, norm_type=math.inf)
+    if hasattr(total, "full_tensor"):  # sharded parameters (FSDP): the norm of every shard
+        total = total.full_tensor()
+    return bool(torch.isfinite(total))
+
+
+class NonFiniteGuard:
+    def __init__(self, skip_limit: int, steps_per_epoch: int, group: object = None) -> None:
+        self.skip_limit, self.steps_per_epoch, self.group = skip_limit, steps_per_epoch, group
+        self.skipped: list[int] = []  # global steps skipped (in snapshots: resume stays exact)
+
+    @property
+    def skipping(self) -> bool:
+        return self.skip_limit > 0
+
+    def epoch_of(self, step: int) -> int:
+        return (step - 1) // self.steps_per_epoch
+
+    def check(self, first_bad_steps: list[int], weights_finite: bool, step: int, last_snapshot: str | None) -> None:
+        """Raise NonFiniteError if any rank saw a non-finite loss or holds non-finite weights.
+
+        ``first_bad_steps``: every rank's first non-finite step (0: none), already reduced."""
+        bad = {rank: s for rank, s in enumerate(first_bad_steps) if s > 0}
+        kept = f"last good snapshot: {last_snapshot}" if last_snapshot else "no snapshot was written"
+        if bad:
+            first = min(bad.values())
+            ranks = ", ".join(str(r) for r, s in bad.items() if s == first)
+            raise NonFiniteError(f"the loss was not finite at step {first} (epoch {self.epoch_of(first)}) on "
+                                 f"rank {ranks}; nothing non-finite was saved ({kept}); {REMEDY}")
+        if not weights_finite:
+            raise NonFiniteError(f"the weights stopped being finite before step {step} (a non-finite "
+                                 f"gradient with a finite loss); nothing non-finite was saved ({kept}); {REMEDY}")
+
+    def step_is_finite(self, loss: torch.Tensor, grads: list[torch.Tensor]) -> bool:
+        """--skip-nonfinite: every rank's answer for this step, the same on every rank."""
+        ok = torch.isfinite(loss.detach())
+        if grads:
+            ok = ok & torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=math.inf))
+        flag = (~ok).to(torch.float32).reshape(1)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return not bool(flag.item())
+
+    def skip(self, step: int) -> None:
+        self.skipped.append(step)
+        if len(self.skipped) > self.skip_limit:
+            shown = ", ".join(map(str, self.skipped[:10]))
+            raise NonFiniteError(f"{len(self.skipped)} steps had a non-finite loss or gradient (steps {shown}), "
+                                 f"more than --skip-nonfinite {self.skip_limit}; the bad steps were skipped and "
+                                 "nothing non-finite was saved; find the bad samples or lower --lr")

@@ -1,0 +1,97 @@
+"""Sharded snapshots (``--strategy fsdp``): one DCP folder per step, each rank writing its shard.
+
+``dcp.async_save`` copies the shards to CPU memory and returns; the files are written in the
+background, on a process group of their own (the training's collectives go on meanwhile).
+A snapshot counts only once complete: it is written as ``snapshots/.step-N.partial/``; when
+every rank's shard and DCP's metadata are on disk, rank 0 adds ``meta.pt`` (progress,
+schedule, RNG states, ...) and renames the folder to ``snapshots/step-N/``. Only then are
+older snapshots removed. A ``.partial`` folder (a writer killed mid-way) is never loaded:
+it is named in a warning and removed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from . import snapshot_files as files
+
+META = "meta.pt"
+
+
+def partial_folder(directory: Path, step: int) -> Path:
+    return directory / f".{files.snapshot_name(step, folder=True)}.partial"
+
+
+def remove_partials(directory: Path) -> None:
+    """Rank 0, at start-up: folders a killed writer left behind never count."""
+    for partial in sorted(directory.glob(".step-*.partial")) if directory.is_dir() else []:
+        warnings.warn(f"snapshot {partial} was never completed (its writer stopped); removing it", stacklevel=2)
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def commit(future: Future[Any], meta: dict[str, Any], partial: Path, final: Path, keep: int) -> Path:
+    """Rank 0: once every rank's shard is written, add the metadata and make it a snapshot."""
+    future.result()  # DCP's own metadata is written after every rank's shard
+    files.atomic_save(meta, partial / META)
+    if final.exists():
+        shutil.rmtree(final)
+    partial.rename(final)  # atomic: the folder appears complete, or not at all
+    files.fsync_dir(final.parent)
+    files.rotate(final.parent, keep)
+    return final
+
+
+class DCPWriter:
+    """Every rank: an asynchronous DCP save per snapshot; rank 0 also commits it."""
+
+    def __init__(self, group: Any, is_main: bool) -> None:
+        self.group, self.is_main = group, is_main
+        self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-dcp") if is_main else None
+        self.pending: Future[Any] | None = None
+
+    def submit(self, shards: dict[str, Any], meta: dict[str, Any] | None, directory: Path, step: int,
+               keep: int) -> None:
+        self.wait()
+        partial = partial_folder(directory, step)
+        saved = dcp.async_save(shards, checkpoint_id=partial, process_group=self.group)
+        if self.committer is not None:
+            final = directory / files.snapshot_name(step, folder=True)
+            self.pending = self.committer.submit(commit, saved, meta or {}, partial, final, keep)
+        else:
+            self.pending = saved
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def close(self, wait: bool = True) -> None:
+        if wait:
+            self.wait()
+        if self.committer is not None:
+            self.committer.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def load_shards(folder: Path, templates: dict[str, Any]) -> dict[str, Any]:
+    """Fill ``templates`` (this run's own state dicts, sharded or whole) from a DCP folder;
+    DCP reshards when the world size differs."""
+    dcp.load(templates, checkpoint_id=folder)
+    return templates
+
+
+def saved_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """The model's parameter names and whole shapes in a DCP folder, from its metadata."""
+    metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    return {key.removeprefix("model."): tuple(getattr(value, "size", ())) for key, value in metadata.items()
+            if key.startswith("model.")}
+
+
+def whole_shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {key: tuple(value.shape) for key, value in state.items()}

@@ -1,0 +1,71 @@
+"""Settings: one frozen RunConfig from flags, files and keyword arguments (no process needed)."""
+
+import dataclasses
+import json
+
+import pytest
+
+from ddptrain import ConfigError, RunConfig
+from ddptrain.api import prepare
+from ddptrain.cli import build_parser, given_options
+from ddptrain.config import default_run_dir
+
+
+def test_a_config_never_changes_once_made():
+    cfg = RunConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.batch_size = 64  # type: ignore[misc]
+    assert cfg.with_task_defaults({"lr": 0.1}).lr == 0.1 and cfg.lr is None
+
+
+def test_flags_files_and_keywords_become_the_same_config(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('max-epochs = 7\nbatch_size = 16\nlr = 0.01\ntask = "digits"\nprogress = false\n')
+    from_file, _ = prepare(None, {}, str(toml))
+    from_flags, _ = prepare(None, given_options(build_parser().parse_args(
+        ["train", "--max-epochs", "7", "--batch-size", "16", "--lr", "0.01", "--task", "digits", "--no-progress"])))
+    from_keywords, _ = prepare("digits", {"max_epochs": 7, "batch_size": 16, "lr": 0.01, "progress": False})
+    assert from_file == from_flags == from_keywords
+
+
+def test_flags_override_the_file(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("max-epochs = 7\nseed = 3\n")
+    args = build_parser().parse_args(["train", "--config", str(toml), "--max-epochs", "2"])
+    cfg, _ = prepare(None, given_options(args), args.config)
+    assert (cfg.max_epochs, cfg.seed) == (2, 3)
+
+
+def test_a_runs_config_json_is_accepted_as_a_settings_file(tmp_path):
+    cfg = RunConfig(task="digits", max_epochs=3, lr=0.002, optimizer="adamw", run_dir="runs/x")
+    (tmp_path / "config.json").write_text(cfg.to_json())
+    again, _ = prepare(None, {}, str(tmp_path / "config.json"))
+    assert again == cfg
+
+
+def test_default_run_dir_is_stable_for_the_same_settings_and_distinct_for_others():
+    base = RunConfig(task="digits", lr=0.01)
+    assert default_run_dir(base) == default_run_dir(RunConfig(task="digits", lr=0.01))
+    assert default_run_dir(base).startswith("runs/digits-")
+    assert default_run_dir(base) != default_run_dir(RunConfig(task="digits", lr=0.02))
+    assert default_run_dir(base) != default_run_dir(RunConfig(task="digits", lr=0.01, seed=1))
+    # more epochs, another timeout or resume mode: the same run, continued
+    same = RunConfig(task="digits", lr=0.01, max_epochs=50, timeout=10, resume="never", progress=True)
+    assert default_run_dir(same) == default_run_dir(base)
+    assert default_run_dir(RunConfig(task="my_tasks:make")).startswith("runs/my_tasks.make-")
+
+
+def test_config_json_records_every_setting():
+    recorded = json.loads(RunConfig().to_json())
+    assert set(recorded) == {f.name for f in dataclasses.fields(RunConfig)}
+
+
+@pytest.mark.parametrize("options,words", [
+    ({"bogus": 1}, "'bogus' is not a ddptrain setting"),
+    ({"max_epochs": "five"}, "'max_epochs' needs a whole number"),
+    ({"lr": True}, "'lr' needs a number"),
+    ({"strategy": "zero"}, "'strategy' must be one of ddp, fsdp"),
+])
+def test_bad_keyword_options_raise_config_error(options, words):
+    with pytest.raises(ConfigError, match=words):
+        prepare("regression", options)

@@ -1,0 +1,93 @@
+"""Snapshot files and the checkpointer's pure parts (no process group needed)."""
+
+import os
+import pickle
+import warnings
+
+import pytest
+import torch
+
+from ddptrain import ConfigError
+from ddptrain import snapshot_files as files
+from ddptrain.checkpointer import adapt_batch, check_resume_path, move_aside
+from ddptrain.snapshot_dcp import remove_partials
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/ddptrain-pwned",))
+
+
+def _good_state(step):
+    return {"format_version": files.FORMAT_VERSION, "model": {"w": torch.zeros(2)}, "optimizer": {},
+            "progress": {"epoch": 0, "step_in_epoch": step, "global_step": step}, "world_size": 1,
+            "batch_size": 1, "global_batch": 1, "fingerprint": {}, "rng": []}
+
+
+def test_newest_good_snapshot_wins_over_broken_ones(tmp_path):
+    folder = tmp_path / "snapshots"
+    folder.mkdir()
+    files.atomic_save(_good_state(5), folder / "step-000000005.pt")
+    (folder / "step-000000006.pt").write_bytes(b"")                           # empty
+    with open(folder / "step-000000007.pt", "wb") as handle:                  # malicious pickle
+        pickle.dump({"model": _Exploit()}, handle)
+    torch.save({"format_version": files.FORMAT_VERSION}, folder / "step-000000008.pt")  # wrong schema
+    torch.save({**_good_state(9), "format_version": 1}, folder / "step-000000009.pt")   # an older format
+    (folder / ".step-000000010.pt.123.tmp").write_bytes(b"half a file")       # never a candidate
+    (folder / ".step-000000011.partial").mkdir()                              # an unfinished DCP folder
+    if os.path.exists("/tmp/ddptrain-pwned"):
+        os.remove("/tmp/ddptrain-pwned")
+    with pytest.warns(UserWarning) as warned:
+        path, state = files.load_newest(folder)
+    assert path.name == "step-000000005.pt" and state["progress"]["global_step"] == 5
+    messages = [str(w.message) for w in warned]
+    assert any("step-000000009.pt has format version 1" in m for m in messages)
+    assert any("step-000000008.pt is not a ddptrain snapshot" in m for m in messages)
+    assert any("step-000000007.pt cannot be read" in m for m in messages)
+    assert any("step-000000006.pt cannot be read" in m for m in messages)
+    assert not os.path.exists("/tmp/ddptrain-pwned"), "the malicious pickle ran code"
+
+
+def test_an_unfinished_dcp_folder_is_named_and_removed(tmp_path):
+    partial = tmp_path / ".step-000000040.partial"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"shard")
+    with pytest.warns(UserWarning, match=r"\.step-000000040\.partial was never completed"):
+        remove_partials(tmp_path)
+    assert not partial.exists() and files.list_snapshots(tmp_path) == []
+
+
+def test_rotation_keeps_the_newest_k_files_and_folders(tmp_path):
+    folder = tmp_path / "snapshots"
+    for step in range(1, 6):
+        files.write_snapshot(_good_state(step), folder, keep=2)
+    (folder / "step-000000006").mkdir()
+    files.rotate(folder, keep=2)
+    assert [p.name for p in files.list_snapshots(folder)] == ["step-000000005.pt", "step-000000006"]
+
+
+def test_adapt_batch_keeps_the_global_batch_or_names_the_world_sizes_that_do():
+    assert adapt_batch(64, 1, 1) == 64 and adapt_batch(64, 4, 2) == 8
+    with pytest.raises(ConfigError, match=r"use a world size in \[1, 2, 4, 8, 16, 32, 64\]"):
+        adapt_batch(64, 3, 1)
+
+
+def test_a_fresh_start_moves_an_earlier_runs_files_aside(tmp_path):
+    for name in ("metrics.jsonl", "model.pt", "config.json"):
+        (tmp_path / name).write_text(name)
+    (tmp_path / "snapshots").mkdir()
+    (tmp_path / "logs").mkdir()
+    moved = move_aside(tmp_path)
+    assert moved is not None and moved.parent == tmp_path and moved.name.startswith("previous-")
+    assert sorted(p.name for p in moved.iterdir()) == ["config.json", "metrics.jsonl", "model.pt", "snapshots"]
+    assert (tmp_path / "logs").is_dir() and not (tmp_path / "model.pt").exists()
+    assert move_aside(tmp_path) is None  # nothing left to move
+
+
+def test_resume_path_is_checked_before_any_rank_starts(tmp_path):
+    with pytest.raises(ConfigError, match="cannot be read"):
+        check_resume_path(str(tmp_path))  # a folder without meta.pt
+    files.atomic_save(_good_state(3), tmp_path / "step-000000003.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_resume_path(str(tmp_path / "step-000000003.pt"))
