@@ -64,11 +64,15 @@ def evaluate(model: torch.nn.Module, batch: dict) -> dict:
 def gpt2_task(cfg: ddptrain.RunConfig) -> ddptrain.Task:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=256, n_positions=SEQUENCE, n_embd=64, n_layer=2, n_head=2)
+    # bytes are the tokens: 256 of them, and no special ones (byte 0 stands in for GPT-2's 50256)
+    config = GPT2Config(vocab_size=256, n_positions=SEQUENCE, n_embd=64, n_layer=2, n_head=2,
+                        bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)  # seeded by ddptrain: the same initial weights on every rank
+    model.loss_type = "ForCausalLM"  # a model built from a config, not from_pretrained, names no loss
     chunks = ByteChunks(corpus())
     cut = len(chunks) * 9 // 10
     return ddptrain.Task(
-        model=GPT2LMHeadModel(config),  # seeded by ddptrain: the same initial weights on every rank
+        model=model,
         train_set=torch.utils.data.Subset(chunks, range(cut)),
         eval_set=torch.utils.data.Subset(chunks, range(cut, len(chunks))),
         collate_fn=collate,

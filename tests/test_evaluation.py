@@ -1,6 +1,5 @@
 """Evaluation is exact on any world size; the digits task learns; schedules follow their formula."""
 
-import json
 import math
 
 import pytest
@@ -8,27 +7,32 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
+from ddptrain import Task
+from ddptrain.cli import main
 from ddptrain.config import RunConfig
+from ddptrain.data import EvalBatches
 from ddptrain.metrics import evaluate
 from ddptrain.optim import build_scheduler, lr_factor
 from ddptrain.tasks.digits import accuracy, digits_task
 
-from conftest import assert_ok, ddptrain
+from conftest import fit, read_metrics
 from ranks import run_on_ranks
 
 
-def _digits_eval(rank, world, batch):
+def _digits_eval(rank, world, batch, workers=0, fast_path=None):
     torch.manual_seed(0)
     task = digits_task(RunConfig(task="digits"))
-    return evaluate(task.model, task.eval_set, task.loss_fn, task.metrics, batch, torch.device("cpu"), rank, world)
+    batches = EvalBatches(task.eval_set, batch, rank, world, torch.device("cpu"), workers, fast_path=fast_path)
+    return evaluate(task.model, batches, task, rank=rank, world_size=world)
 
 
 def _odd_eval(rank, world):
     generator = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(37, 5, generator=generator), torch.randint(0, 3, (37,), generator=generator))
     torch.manual_seed(0)
-    model = torch.nn.Linear(5, 3)
-    return evaluate(model, data, F.cross_entropy, {"accuracy": accuracy}, 4, torch.device("cpu"), rank, world)
+    task = Task(model=torch.nn.Linear(5, 3), train_set=data, loss_fn=F.cross_entropy, metrics={"accuracy": accuracy})
+    batches = EvalBatches(data, 4, rank, world, torch.device("cpu"))
+    return evaluate(task.model, batches, task, rank=rank, world_size=world)
 
 
 @pytest.mark.slow
@@ -42,6 +46,14 @@ def test_distributed_evaluation_equals_single_process_exactly(world):
     assert odd_single["samples"] == 37
     for result in run_on_ranks(world, _odd_eval):
         assert result == odd_single
+
+
+@pytest.mark.slow
+def test_evaluation_is_identical_through_the_fast_path_and_dataloader_workers_on_1_and_2_ranks():
+    fast = _digits_eval(0, 1, 16, fast_path=True)
+    assert _digits_eval(0, 1, 16, workers=2, fast_path=False) == fast
+    for result in run_on_ranks(2, _digits_eval, 16, 2, False) + run_on_ranks(2, _digits_eval, 16, 0, True):
+        assert result == fast
 
 
 def test_lr_follows_schedule_formula():
@@ -65,16 +77,14 @@ def test_lr_follows_schedule_formula():
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("digits")
-    result = ddptrain("train", "--task", "digits", "--nproc", "2", "--max-epochs", "3",
-                      "--lr-schedule", "cosine", "--warmup-steps", "5", "--tensorboard", "--run-dir", str(run_dir))
-    assert_ok(result)
-    return run_dir, result
+    fit("digits", run_dir, max_epochs=3, lr_schedule="cosine", warmup_steps=5, tensorboard=True, plot=True)
+    return run_dir
 
 
 @pytest.mark.slow
 def test_digits_learns_far_past_chance(digits_run):
-    run_dir, _ = digits_run
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run_dir = digits_run
+    records = read_metrics(run_dir)
     assert len(records) == 3  # one line per epoch: only rank 0 writes
     assert records[-1]["eval_accuracy"] > 0.8  # chance is 0.1
     assert records[-1]["eval_samples"] == 359
@@ -84,19 +94,15 @@ def test_digits_learns_far_past_chance(digits_run):
 
 
 @pytest.mark.slow
-def test_only_rank_0_reports(digits_run):
-    run_dir, result = digits_run
-    assert result.stdout.count("summary") == 1
-    assert len([line for line in result.stdout.splitlines() if line.startswith("epoch ")]) == 3
-    assert len(list((run_dir / "tensorboard").iterdir())) == 1
+def test_only_rank_0_writes_tensorboard(digits_run):
+    assert len(list((digits_run / "tensorboard").iterdir())) == 1
 
 
 @pytest.mark.slow
 def test_curves_png_is_a_real_picture(digits_run):
     import matplotlib.image
 
-    run_dir, _ = digits_run
-    png = run_dir / "curves.png"
+    png = digits_run / "curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     height, width, _ = matplotlib.image.imread(png).shape
     assert width > 600 and height > 200
@@ -106,38 +112,35 @@ def test_curves_png_is_a_real_picture(digits_run):
 def test_tensorboard_holds_the_scalars(digits_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run_dir, _ = digits_run
+    run_dir = digits_run
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train_loss", "eval_accuracy", "eval_loss", "lr", "samples_per_s"} <= tags
     accuracy_points = events.Scalars("eval_accuracy")
     assert [p.step for p in accuracy_points] == [23, 46, 69]
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert accuracy_points[-1].value == pytest.approx(metrics[-1]["eval_accuracy"])
+    assert accuracy_points[-1].value == pytest.approx(read_metrics(run_dir)[-1]["eval_accuracy"])
 
 
 @pytest.mark.slow
-def test_report_command_prints_summary_and_redraws(digits_run):
-    run_dir, _ = digits_run
-    (run_dir / "curves.png").unlink()
-    result = ddptrain("report", str(run_dir))
-    assert_ok(result)
-    assert "eval_accuracy" in result.stdout and "epochs" in result.stdout
-    assert (run_dir / "curves.png").exists()
+def test_report_command_prints_summary_and_redraws(digits_run, capsys):
+    (digits_run / "curves.png").unlink()
+    assert main(["report", str(digits_run)]) == 0
+    out = capsys.readouterr().out
+    assert "eval_accuracy" in out and "epochs" in out
+    assert (digits_run / "curves.png").exists()
 
 
 @pytest.mark.slow
 def test_zero_epochs_evaluates_the_initial_model(tmp_path):
-    result = ddptrain("train", "--task", "digits", "--nproc", "2", "--max-epochs", "0", "--run-dir", str(tmp_path))
-    assert_ok(result)
-    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    fit("digits", tmp_path, max_epochs=0)
+    (record,) = read_metrics(tmp_path)
     assert record["kind"] == "eval" and record["eval_accuracy"] < 0.3
-    assert (tmp_path / "model.pt").exists()
+    assert (tmp_path / "model.pt").exists() and not (tmp_path / "snapshots").exists()
 
 
 @pytest.mark.slow
-def test_progress_bar_when_asked(tmp_path):
-    result = ddptrain("train", "--nproc", "2", "--max-epochs", "1", "--progress", "--run-dir", str(tmp_path))
-    assert_ok(result)
-    assert "epoch 0:" in result.stderr and "/32 [" in result.stderr and "step/s" in result.stderr
+def test_progress_bar_when_asked(tmp_path, capfd):
+    assert main(["train", "--nproc", "2", "--max-epochs", "1", "--progress", "--run-dir", str(tmp_path)]) == 0
+    err = capfd.readouterr().err
+    assert "epoch 0:" in err and "/32 [" in err and "step/s" in err

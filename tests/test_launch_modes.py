@@ -1,12 +1,11 @@
 """Every launch mode trains the same weights: ddptrain's own launch, torchrun,
-torch.distributed.launch --use-env, two torchrun agents forming a two-node job, and the
-tutorial's two example scripts."""
-
+torch.distributed.launch --use-env, and two torchrun agents forming a two-node job."""
 
 import pytest
 
-from conftest import BIN, REPO, assert_ok, assert_same_weights, clean_env, ddptrain, load_model, run
-from ports import free_port
+from ddptrain import free_port
+
+from conftest import BIN, assert_ok, assert_same_weights, fit, load_model, run
 
 TRAIN = ["train", "--max-epochs", "2", "--batch-size", "16", "--momentum", "0.9"]
 PY = str(BIN / "python")
@@ -15,7 +14,7 @@ PY = str(BIN / "python")
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("reference")
-    assert_ok(ddptrain(*TRAIN, "--nproc", "2", "--run-dir", str(run_dir)))
+    fit("regression", run_dir, max_epochs=2, batch_size=16, momentum=0.9)
     return load_model(run_dir)
 
 
@@ -47,34 +46,11 @@ def test_two_torchrun_agents_form_a_two_node_job(tmp_path, reference, start):
 
 
 @pytest.mark.slow
-def test_two_jobs_started_together_both_succeed(tmp_path, start):
+def test_two_jobs_started_together_both_succeed(tmp_path, start, reference):
     """No fixed port: two jobs on one machine at the same moment do not clash."""
     jobs = [start([str(BIN / "ddptrain"), *TRAIN, "--nproc", "2", "--run-dir", str(tmp_path / str(i))])
             for i in range(2)]
     outputs = [job.communicate(timeout=180) for job in jobs]
     assert [job.returncode for job in jobs] == [0, 0], outputs
-    assert_same_weights(load_model(tmp_path / "0"), load_model(tmp_path / "1"), exact=True)
-
-
-@pytest.mark.slow
-def test_example_mp_spawn_script_trains(tmp_path):
-    result = run([PY, str(REPO / "examples" / "ddp_gpus.py"), "--max_epochs", "2", "--batch_size", "32",
-                  "--run_dir", str(tmp_path)])
-    assert_ok(result)
-    assert "[CPU:" not in result.stdout and result.stdout.count("train_loss") >= 2
-    assert load_model(tmp_path)["weight"].shape == (1, 20)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["torchrun", "launch"])
-def test_example_torchrun_script_trains(tmp_path, launcher):
-    script = [str(REPO / "examples" / "ddp_gpus_torchrun.py"), "--max_epochs", "2", "--batch_size", "32",
-              "--run_dir", str(tmp_path)]
-    if launcher == "torchrun":
-        command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", *script]
-    else:
-        command = [PY, "-m", "torch.distributed.launch", "--use-env", "--nproc-per-node=2",
-                   f"--master-port={free_port()}", *script]
-    result = run(command, env=clean_env())
-    assert_ok(result)
-    assert load_model(tmp_path)["weight"].shape == (1, 20)
+    for i in range(2):
+        assert_same_weights(load_model(tmp_path / str(i)), reference, exact=True)

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from conftest import BIN, assert_ok, assert_same_weights, clean_env, ddptrain, load_model
+from conftest import BIN, assert_ok, assert_same_weights, clean_env, ddptrain_cli, load_model
 
 HOSTS = {"a": "198.18.0.1", "b": "198.18.0.2"}
 TRAIN = ["train", "--max-epochs", "2", "--batch-size", "16", "--momentum", "0.9"]
@@ -46,7 +46,7 @@ def two_hosts():
 @pytest.mark.slow
 def test_two_namespaces_train_like_one_host(tmp_path, two_hosts, start):
     names, links = two_hosts
-    assert_ok(ddptrain(*TRAIN, "--nproc", "2", "--run-dir", str(tmp_path / "single")))
+    assert_ok(ddptrain_cli(*TRAIN, "--nproc", "2", "--run-dir", str(tmp_path / "single")))
     endpoint = f"{HOSTS['a']}:29400"
     agents = []
     for host, name in names.items():

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import BIN, REPO, assert_ok, assert_same_weights, clean_env, ddptrain, load_model
+from conftest import BIN, REPO, assert_same_weights, clean_env, fit, load_model
 from slurm_cluster import SlurmCluster
 
 TRAIN = ["--max-epochs", "2", "--batch-size", "16", "--momentum", "0.9"]
@@ -38,7 +38,7 @@ def job_state(cluster: SlurmCluster, job_id: str) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_srun_ranks_train_like_a_local_launch(slurm, tmp_path):
-    assert_ok(ddptrain("train", *TRAIN, "--nproc", "2", "--run-dir", str(tmp_path / "local")))
+    fit("regression", tmp_path / "local", max_epochs=2, batch_size=16, momentum=0.9)
     result = subprocess.run(["srun", "-n2", "--kill-on-bad-exit=1", str(BIN / "ddptrain"), "train", *TRAIN,
                              "--run-dir", str(tmp_path / "srun")], env=slurm_env(slurm), capture_output=True,
                             text=True, timeout=180, stdin=subprocess.DEVNULL)
@@ -50,7 +50,7 @@ def test_srun_ranks_train_like_a_local_launch(slurm, tmp_path):
 @pytest.mark.slow
 def test_sbatch_preempted_by_sigterm_requeues_and_resumes_exactly(slurm, tmp_path):
     args = ["--max-epochs", "60", "--momentum", "0.9"]
-    assert_ok(ddptrain("train", *args, "--nproc", "2", "--run-dir", str(tmp_path / "reference")))
+    fit("regression", tmp_path / "reference", max_epochs=60, momentum=0.9)
     run_dir = tmp_path / "run"
     env = slurm_env(slurm, RUN_DIR=str(run_dir))
     submitted = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/job-%j.out",
@@ -68,8 +68,11 @@ def test_sbatch_preempted_by_sigterm_requeues_and_resumes_exactly(slurm, tmp_pat
     while (state := job_state(slurm, job)).get("JobState") != "COMPLETED":
         assert time.monotonic() < deadline, f"job {job} is {state.get('JobState')}\n{slurm.log_tails()}"
         if state.get("JobState") == "PENDING" and state.get("Reason") == "BeginTime":
-            # a requeued job waits for its begin time; the test need not
-            subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], env=env, timeout=30)
+            # A requeued job waits for its begin time; the test need not wait that long, but
+            # not "now" either: slurmd revokes the old run's credential and compares times in
+            # whole seconds, so a new start within the same second is killed ("Job credential
+            # revoked", seen in a fresh clone's run). Two seconds later is always a later second.
+            subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now+2"], env=env, timeout=30)
         time.sleep(0.5)
     assert state.get("Restarts") == "1", state
     log = (tmp_path / f"job-{job}.out").read_text()

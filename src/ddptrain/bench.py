@@ -1,15 +1,20 @@
-"""``ddptrain bench``: ddptrain against hand-written DDP loops, side by side in one run.
+"""``ddptrain bench``: ddptrain against a hand-written DDP loop (and, with ``--peers``,
+Lightning and Accelerate) on the same jobs, side by side in one run.
 
-Every measurement is a fresh process tree started the way its users start it (the loops
-with the tutorial's ``mp.spawn``, ddptrain with ``ddptrain train``). Contenders alternate
-within each repetition, so the machine's drift hits all of them alike; figures are medians
-with their min-max. Throughput is steady state: samples of epochs 1..E-1 over the time from
-the end of epoch 0 to the end of the last (so per-epoch work such as snapshots counts).
+Every measurement is a whole command, started the way its users start it (bench_loops.py).
+Per repetition and job, each contender runs a 1-epoch command and a (1+E)-epoch command:
+the first's wall is what a user waits for a short job, and samples/s is the extra samples
+divided by the extra wall (so start-up cancels out, and everything per epoch counts: ddptrain's
+metrics lines, loss reads, snapshots). Contenders alternate within each repetition, so the
+machine's drift hits all alike; figures are medians with their min-max. Every contender
+trains the same model on the same samples in the same order, so all must end at the same
+loss: the table shows it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -20,82 +25,102 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .bench_loops import JOBS
+from .bench_loops import JOBS, SMOKE_SAMPLES, final_loss
 
-CONTENDERS = ("floor", "bare", "ddptrain")
+BASE = ("loop", "ddptrain")
+PEERS = ("lightning", "accelerate")
 
 
-def run_once(contender: str, job: str, nproc: int, epochs: int, env: dict[str, str]) -> dict[str, float]:
-    """One training run; returns samples/s (steady state) and seconds from command to first step."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        if contender == "ddptrain":
-            command = [sys.executable, "-m", "ddptrain", "train", "--task", "ddptrain.bench_loops:bench_task",
-                       "--nproc", str(nproc), "--max-epochs", str(epochs), "--batch-size", "32",
-                       "--run-dir", tmp, "--resume", "never", "--no-progress"]
-        else:
-            command = [sys.executable, "-m", "ddptrain.bench_loops", "--loop", contender, "--job", job,
-                       "--nproc", str(nproc), "--epochs", str(epochs), "--out", str(out)]
-        started = time.time()
-        done = subprocess.run(command, env={**env, "DDPTRAIN_BENCH_JOB": job}, capture_output=True, text=True)
+def command(contender: str, job: str, nproc: int, epochs: int, out: str) -> list[str]:
+    python = sys.executable
+    if contender == "ddptrain":
+        return [python, "-m", "ddptrain", "train", "--task", "ddptrain.bench_loops:bench_task", "--nproc", str(nproc),
+                "--max-epochs", str(epochs), "--batch-size", "32", "--run-dir", out, "--resume", "never",
+                "--no-progress"]
+    loop = ["-m", "ddptrain.bench_loops", "--loop", contender, "--job", job, "--epochs", str(epochs), "--out", out]
+    if contender == "accelerate":  # Accelerate's multi-process CPU runs are torchrun's (it sets the world size)
+        return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *loop]
+    return [python, *loop, "--nproc", str(nproc)]
+
+
+def run_once(contender: str, job: str, nproc: int, epochs: int, env: dict[str, str]) -> tuple[float, float]:
+    """(wall seconds of the whole command, full-data loss of its final weights)."""
+    import torch
+
+    with tempfile.TemporaryDirectory() as out:
+        started = time.perf_counter()
+        done = subprocess.run(command(contender, job, nproc, epochs, out), env={**env, "DDPTRAIN_BENCH_JOB": job},
+                              capture_output=True, text=True)
+        wall = time.perf_counter() - started
         if done.returncode != 0:
-            raise RuntimeError(f"{contender} {job} x{nproc} failed:\n{done.stderr[-2000:]}")
-        if contender == "ddptrain":
-            records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-            first_step_at, ends = records[0]["first_step_at"], [r["time"] for r in records]
-            per_epoch = records[0]["samples"]
-        else:
-            result = json.loads(out.read_text())
-            first_step_at, ends, per_epoch = result["first_step_at"], result["epoch_ends"], result["samples_per_epoch"]
-    return {"samples_per_s": per_epoch * (len(ends) - 1) / (ends[-1] - ends[0]),
-            "first_step_s": first_step_at - started}
+            raise RuntimeError(f"{contender} {job} x{nproc} failed:\n{done.stderr[-3000:]}")
+        return wall, final_loss(job, torch.load(Path(out) / "model.pt", weights_only=True))
 
 
-def measure(jobs: list[str], ranks: list[int], reps: int, epochs: dict[str, int],
+def measure(contenders: list[str], jobs: list[str], nproc: int, reps: int, epochs: dict[str, int],
             env: dict[str, str], log: Any = print) -> list[dict[str, Any]]:
     runs = []
+    samples = {job: SMOKE_SAMPLES if env.get("DDPTRAIN_BENCH_SMOKE") else JOBS[job][0] for job in jobs}
     for rep in range(reps):
         for job in jobs:
-            for nproc in ranks:
-                order = CONTENDERS[rep % 3:] + CONTENDERS[:rep % 3]  # rotate who goes first
-                for contender in order:
-                    figures = run_once(contender, job, nproc, epochs[job], env)
-                    runs.append({"job": job, "ranks": nproc, "contender": contender, "rep": rep, **figures})
-                    log(f"  rep {rep} {job:8s} x{nproc} {contender:8s} {figures['samples_per_s']:10,.0f} samples/s"
-                        f"  first step {figures['first_step_s']:.2f} s")
+            turn = rep % len(contenders)
+            for contender in contenders[turn:] + contenders[:turn]:  # rotate who goes first
+                short, loss = run_once(contender, job, nproc, 1, env)
+                long = short
+                if epochs[job]:  # (a smoke run checks the plumbing: one command each)
+                    long, loss = run_once(contender, job, nproc, 1 + epochs[job], env)
+                # the extra samples over the extra wall (not measurable when the longer run was no longer)
+                rate = epochs[job] * samples[job] / (long - short) if long > short else float("nan")
+                runs.append({"job": job, "contender": contender, "rep": rep, "wall_1_epoch_s": short,
+                             "samples_per_s": rate, "final_loss": loss})
+                log(f"  rep {rep} {job:8s} {contender:10s} {rate:10,.0f} samples/s  1-epoch wall {short:5.2f} s  "
+                    f"loss {loss:.6g}")
     return runs
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
-    keys = sorted({(r["job"], r["ranks"]) for r in runs}, key=lambda k: (list(JOBS).index(k[0]), k[1]))
-    for job, nproc in keys:
-        group = {c: [r for r in runs if (r["job"], r["ranks"], r["contender"]) == (job, nproc, c)] for c in CONTENDERS}
-        median = {c: statistics.median(r["samples_per_s"] for r in group[c]) for c in CONTENDERS}
-        for contender in CONTENDERS:
-            rates = [r["samples_per_s"] for r in group[contender]]
+    for job in dict.fromkeys(r["job"] for r in runs):
+        mine = [r for r in runs if r["job"] == job]
+        contenders = list(dict.fromkeys(r["contender"] for r in mine))
+        median = {c: {k: _median([r[k] for r in mine if r["contender"] == c])
+                      for k in ("samples_per_s", "wall_1_epoch_s", "final_loss")} for c in contenders}
+        peers = [c for c in contenders if c in PEERS]
+        fastest_peer = min((median[c]["wall_1_epoch_s"] for c in peers), default=None)
+        losses = [median[c]["final_loss"] for c in contenders]
+        same_loss = (max(losses) - min(losses)) <= 1e-4 * max(abs(x) for x in losses)
+        for contender in contenders:
+            of = [r for r in mine if r["contender"] == contender]
             rows.append({
-                "job": job, "ranks": nproc, "contender": contender,
-                "samples_per_s": median[contender], "min": min(rates), "max": max(rates),
-                "vs_bare": median[contender] / median["bare"], "vs_floor": median[contender] / median["floor"],
-                "first_step_s": statistics.median(r["first_step_s"] for r in group[contender]),
+                "job": job, "contender": contender, **median[contender],
+                "samples_per_s_range": [min(r["samples_per_s"] for r in of), max(r["samples_per_s"] for r in of)],
+                "wall_range": [min(r["wall_1_epoch_s"] for r in of), max(r["wall_1_epoch_s"] for r in of)],
+                "vs_loop": median[contender]["samples_per_s"] / median["loop"]["samples_per_s"],
+                "wall_vs_fastest_peer": median[contender]["wall_1_epoch_s"] / fastest_peer if fastest_peer else None,
+                "same_loss_as_all": same_loss,
             })
-    for row in rows:  # weak scaling: 2 ranks at the same per-rank batch against 1 rank
-        single = next((r for r in rows if (r["job"], r["contender"], r["ranks"]) == (row["job"], row["contender"], 1)),
-                      None)
-        row["scaling"] = row["samples_per_s"] / (row["ranks"] * single["samples_per_s"]) if single else None
     return rows
 
 
+def _median(values: list[float]) -> float:
+    finite = [v for v in values if v == v]  # NaN: a rate too small to measure
+    return statistics.median(finite) if finite else float("nan")
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = (f"{'job':9s} {'ranks':>5s} {'contender':9s} {'samples/s (min-max)':>28s} {'vs bare':>8s} "
-              f"{'vs floor':>8s} {'first step':>10s} {'scaling':>8s}")
+    header = (f"{'job':9s} {'contender':10s} {'samples/s (min-max)':>27s} {'vs loop':>7s} "
+              f"{'1-epoch wall (min-max)':>23s} {'vs fastest peer':>15s} {'final loss':>11s}")
     lines = [header, "-" * len(header)]
     for r in rows:
-        spread = f"{r['samples_per_s']:,.0f} ({r['min']:,.0f}-{r['max']:,.0f})"
-        scaling = f"{r['scaling']:.2f}" if r["scaling"] is not None and r["ranks"] > 1 else ""
-        lines.append(f"{r['job']:9s} {r['ranks']:5d} {r['contender']:9s} {spread:>28s} {r['vs_bare']:8.2f} "
-                     f"{r['vs_floor']:8.2f} {r['first_step_s']:9.2f}s {scaling:>8s}")
+        rate = f"{r['samples_per_s']:,.0f} ({r['samples_per_s_range'][0]:,.0f}-{r['samples_per_s_range'][1]:,.0f})"
+        wall = f"{r['wall_1_epoch_s']:.2f} s ({r['wall_range'][0]:.2f}-{r['wall_range'][1]:.2f})"
+        peer = f"{r['wall_vs_fastest_peer']:.2f}" if r["wall_vs_fastest_peer"] else ""
+        lines.append(f"{r['job']:9s} {r['contender']:10s} {rate:>27s} {r['vs_loop']:7.2f} {wall:>23s} {peer:>15s} "
+                     f"{r['final_loss']:11.6g}")
+    for job in dict.fromkeys(r["job"] for r in rows):
+        same = all(r["same_loss_as_all"] for r in rows if r["job"] == job)
+        lines.append(f"{job}: every contender ended at the same loss: {'yes' if same else 'NO'} "
+                     "(same model, samples, order and optimizer)")
     return "\n".join(lines)
 
 
@@ -106,19 +131,33 @@ def draw_chart(rows: list[dict[str, Any]], path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "chart not drawn: matplotlib is not installed"
-    groups = sorted({(r["job"], r["ranks"]) for r in rows}, key=lambda k: (list(JOBS).index(k[0]), k[1]))
-    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 3.4), squeeze=False)
-    for ax, (job, nproc) in zip(axes[0], groups):
-        mine = [r for r in rows if (r["job"], r["ranks"]) == (job, nproc)]
-        values = [r["samples_per_s"] for r in mine]
-        errors = [[v - r["min"] for v, r in zip(values, mine)], [r["max"] - v for v, r in zip(values, mine)]]
-        ax.bar([r["contender"] for r in mine], values, yerr=errors, color=["#999", "#69c", "#e83"], capsize=3)
-        ax.set_title(f"{job}, {nproc} rank{'s' if nproc > 1 else ''}")
-        ax.set_ylabel("samples/s")
+    jobs = list(dict.fromkeys(r["job"] for r in rows))
+    fig, axes = plt.subplots(2, len(jobs), figsize=(4.2 * len(jobs), 6.4), squeeze=False)
+    for column, job in enumerate(jobs):
+        mine = [r for r in rows if r["job"] == job]
+        names = [r["contender"] for r in mine]
+        colors = ["#e83" if n == "ddptrain" else "#69c" if n == "loop" else "#999" for n in names]
+        for row, (key, spread, label) in enumerate((("samples_per_s", "samples_per_s_range", "samples/s"),
+                                                    ("wall_1_epoch_s", "wall_range", "1-epoch command wall (s)"))):
+            ax = axes[row][column]
+            values = [r[key] for r in mine]
+            errors = [[v - r[spread][0] for v, r in zip(values, mine)],
+                      [r[spread][1] - v for v, r in zip(values, mine)]]
+            ax.bar(names, values, yerr=errors, color=colors, capsize=3)
+            ax.set_title(f"{job}: {label}", fontsize=10)
+            ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def installed(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,26 +165,36 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=3, help="repetitions of every measurement (default 3)")
     parser.add_argument("--jobs", default="tutorial,mlp", help="comma-separated: tutorial, mlp")
-    parser.add_argument("--ranks", default="1,2", help="comma-separated rank counts (default 1,2)")
-    parser.add_argument("--tutorial-epochs", type=int, default=20)
-    parser.add_argument("--mlp-epochs", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="tiny data and 2 epochs: checks the plumbing only")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--tutorial-epochs", type=int, default=60, help="extra epochs of the tutorial job (default 60)")
+    parser.add_argument("--mlp-epochs", type=int, default=3, help="extra epochs of the MLP job (default 3)")
+    parser.add_argument("--peers", action="store_true", help="add Lightning and Accelerate rows (pip install "
+                        "'ddptrain[bench]')")
+    parser.add_argument("--smoke", action="store_true", help="tiny data, 1-epoch commands only: checks the plumbing")
     parser.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png")
     args = parser.parse_args(argv)
-    jobs, ranks = args.jobs.split(","), [int(n) for n in args.ranks.split(",")]
+    jobs = args.jobs.split(",")
     epochs = {"tutorial": args.tutorial_epochs, "mlp": args.mlp_epochs}
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if args.smoke:
-        epochs = {job: 2 for job in epochs}
+        epochs = {job: 0 for job in epochs}
         env["DDPTRAIN_BENCH_SMOKE"] = "1"
-    print(f"ddptrain bench: {args.reps} reps of {jobs} at {ranks} ranks, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, "
-          f"{os.cpu_count()} CPUs", flush=True)
-    rows = summarize(measure(jobs, ranks, args.reps, epochs, env, log=lambda m: print(m, flush=True)))
-    table = format_table(rows)
-    print("\n" + table)
+    contenders = list(BASE)
+    if args.peers:
+        missing = [peer for peer in PEERS if not installed(peer)]
+        if missing:
+            print(f"ddptrain bench: {' and '.join(missing)} not installed (pip install 'ddptrain[bench]'): "
+                  f"{'its' if len(missing) == 1 else 'their'} rows are left out", flush=True)
+        contenders += [peer for peer in PEERS if peer not in missing]
+    print(f"ddptrain bench: {args.reps} rep(s) of {jobs} at {args.nproc} ranks, contenders {contenders}, "
+          f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, {os.cpu_count()} CPUs", flush=True)
+    runs = measure(contenders, jobs, args.nproc, args.reps, epochs, env, log=lambda m: print(m, flush=True))
+    rows = summarize(runs)
+    print("\n" + format_table(rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps({"rows": rows, "argv": argv, "cpus": os.cpu_count()}, indent=2))
+    (out / "bench.json").write_text(json.dumps({"rows": rows, "runs": runs, "argv": argv, "cpus": os.cpu_count()},
+                                               indent=2))
     note = draw_chart(rows, out / "bench.png")
     print(note or f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
     return 0

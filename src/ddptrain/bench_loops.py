@@ -1,37 +1,38 @@
-"""What ``ddptrain bench`` measures ddptrain against: hand-written DDP loops, launched the
-tutorial's way (``mp.spawn``), and the benchmark jobs as a ddptrain task.
+"""What ``ddptrain bench`` measures ddptrain against, on the same job, launched the way each
+one's users launch it:
 
-- ``bare``: the tutorial's loop, corrected: DataLoader + DistributedSampler + DDP.
-- ``floor``: no DataLoader, no framework: index tensors, forward, backward, step.
+- ``loop``: the tutorial's hand-written DDP loop, corrected: DataLoader + DistributedSampler
+  + DDP, started with ``mp.spawn``.
+- ``lightning``: a LightningModule and ``Trainer(strategy="ddp")`` (Lightning starts the ranks).
+- ``accelerate``: the same loop on ``Accelerator`` (``prepare``, ``backward``), under torchrun.
 
-Run one as ``python -m ddptrain.bench_loops --loop bare --job tutorial --nproc 2 --out r.json``.
-Rank 0 writes ``{"first_step_at": t, "epoch_ends": [t0, t1, ...], "samples_per_epoch": n}``.
+Every contender seeds the same model, trains on the same samples in the same order
+(DistributedSampler, seed 0, batch 32 per rank, SGD lr 1e-3, MSE) and rank 0 saves the final
+weights to ``OUT/model.pt``, so the benchmark can check they all ended at the same loss.
+
+    python -m ddptrain.bench_loops --loop loop --job tutorial --nproc 2 --epochs 3 --out DIR
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
-import time
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn import functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from .tasks.protocol import Task
 from .tasks.regression import regression_data
 
-# job -> (samples, hidden width or 0 for the tutorial's Linear(20, 1)). The MLP job is
-# compute-bound, so its samples/s does not depend on the epoch's length: 16,384 samples
-# (not 65,536) keep a 3-repetition benchmark near ten minutes on 2 cores.
-JOBS = {"tutorial": (2048, 0), "mlp": (16384, 1024)}
-SMOKE_SAMPLES = 512
+# job -> (samples, hidden width or 0 for the tutorial's Linear(20, 1))
+JOBS = {"tutorial": (2048, 0), "mlp": (8192, 1024)}
+SMOKE_SAMPLES = 256
+BATCH, LR, SEED = 32, 1e-3, 0
 
 
 def job_model(job: str) -> torch.nn.Module:
@@ -42,83 +43,127 @@ def job_model(job: str) -> torch.nn.Module:
                                torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
 
 
-def job_samples(job: str) -> int:
-    return SMOKE_SAMPLES if os.environ.get("DDPTRAIN_BENCH_SMOKE") else JOBS[job][0]
+def job_data(job: str) -> TensorDataset:
+    samples = SMOKE_SAMPLES if os.environ.get("DDPTRAIN_BENCH_SMOKE") else JOBS[job][0]
+    return regression_data(SEED, samples)
 
 
 def bench_task(cfg: Any) -> Task:
     """The job named by DDPTRAIN_BENCH_JOB as a ddptrain task (``--task ddptrain.bench_loops:bench_task``)."""
     job = os.environ.get("DDPTRAIN_BENCH_JOB", "tutorial")
-    return Task(model=job_model(job), train_set=regression_data(cfg.seed, job_samples(job)), loss_fn=F.mse_loss)
+    return Task(model=job_model(job), train_set=job_data(job), loss_fn=F.mse_loss, defaults={"lr": LR})
 
 
-class _NotInMemory(torch.utils.data.Dataset):
-    """The same samples behind a plain Dataset: ddptrain takes the DataLoader path."""
-
-    def __init__(self, inner: TensorDataset) -> None:
-        self.inner = inner
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
-        return self.inner[index]
+def final_loss(job: str, weights: dict[str, torch.Tensor]) -> float:
+    """The full data set's MSE under the final weights: the same job ends at the same loss."""
+    model = job_model(job)
+    model.load_state_dict(weights)
+    inputs, targets = job_data(job).tensors
+    with torch.no_grad():
+        return F.mse_loss(model(inputs), targets).item()
 
 
-def bench_task_via_dataloader(cfg: Any) -> Task:
-    """``bench_task`` through the DataLoader path (benchmarks/gpu_check.sh compares the two)."""
-    task = bench_task(cfg)
-    task.train_set = _NotInMemory(task.train_set)
-    return task
+def _sampler_and_loader(data: TensorDataset, world: int, rank: int) -> tuple[DistributedSampler, DataLoader]:
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=SEED)
+    return sampler, DataLoader(data, batch_size=BATCH, sampler=sampler)
 
 
-def _rank(rank: int, world: int, port: int, loop: str, job: str, epochs: int, batch: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _save(model: torch.nn.Module, out: str) -> None:
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, Path(out) / "model.pt")
+
+
+# --- the tutorial's loop, with mp.spawn ------------------------------------------------------------
+def _loop_rank(rank: int, world: int, job: str, epochs: int, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    data = regression_data(0, job_samples(job))
+    torch.manual_seed(SEED)
     model = DDP(job_model(job))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=0)
-    loader = DataLoader(data, batch_size=batch, sampler=sampler) if loop == "bare" else None
-    first_step_at, epoch_ends = None, []
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    sampler, loader = _sampler_and_loader(job_data(job), world, rank)
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        batches = loader if loader is not None else _index_batches(data, sampler, batch)
-        for xs, ys in batches:
+        for xs, ys in loader:
             optimizer.zero_grad(set_to_none=True)
             F.mse_loss(model(xs), ys).backward()
             optimizer.step()
-            first_step_at = first_step_at or time.time()
-        epoch_ends.append(time.time())
     if rank == 0:
-        with open(out, "w") as handle:
-            json.dump({"first_step_at": first_step_at, "epoch_ends": epoch_ends,
-                       "samples_per_epoch": len(data)}, handle)
+        _save(model.module, out)
     dist.destroy_process_group()
 
 
-def _index_batches(data: TensorDataset, sampler: DistributedSampler, batch: int):
-    order = torch.tensor(list(sampler))
-    for chunk in order.split(batch):
-        yield tuple(t[chunk] for t in data.tensors)
+def run_loop(job: str, nproc: int, epochs: int, out: str) -> None:
+    import torch.multiprocessing as mp
+
+    from .dist import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    mp.spawn(_loop_rank, args=(nproc, job, epochs, out), nprocs=nproc)
+
+
+# --- Lightning -------------------------------------------------------------------------------------
+def run_lightning(job: str, nproc: int, epochs: int, out: str) -> None:
+    import lightning as L
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(SEED)
+            self.model = job_model(job)
+
+        def training_step(self, batch: Any, batch_index: int) -> torch.Tensor:
+            return F.mse_loss(self.model(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+        def train_dataloader(self) -> DataLoader:  # Lightning calls set_epoch on the sampler
+            return _sampler_and_loader(job_data(job), self.trainer.world_size, self.trainer.global_rank)[1]
+
+    module = Module()
+    trainer = L.Trainer(accelerator="cpu", devices=nproc, strategy="ddp", max_epochs=epochs, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False)
+    trainer.fit(module)
+    if trainer.global_rank == 0:
+        _save(module.model, out)
+
+
+# --- Accelerate (under torchrun) ---------------------------------------------------------------------
+def run_accelerate(job: str, epochs: int, out: str) -> None:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(SEED)
+    model = job_model(job)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    sampler, loader = _sampler_and_loader(job_data(job), accelerator.num_processes, accelerator.process_index)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for xs, ys in loader:
+            optimizer.zero_grad(set_to_none=True)
+            accelerator.backward(F.mse_loss(model(xs), ys))
+            optimizer.step()
+    if accelerator.is_main_process:
+        _save(accelerator.unwrap_model(model), out)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--loop", choices=("bare", "floor"), required=True)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--loop", choices=("loop", "lightning", "accelerate"), required=True)
     parser.add_argument("--job", choices=tuple(JOBS), required=True)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(args.nproc, port, args.loop, args.job, args.epochs, args.batch_size, args.out),
-             nprocs=args.nproc)
+    if args.loop == "loop":
+        run_loop(args.job, args.nproc, args.epochs, args.out)
+    elif args.loop == "lightning":
+        run_lightning(args.job, args.nproc, args.epochs, args.out)
+    else:
+        run_accelerate(args.job, args.epochs, args.out)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

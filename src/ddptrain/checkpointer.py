@@ -33,6 +33,7 @@ from . import snapshot_files as files
 from .config import ConfigError, RunConfig
 from .dist import DistContext, broadcast_object
 from .failures import StorageNotShared
+from .report import say
 
 MAX_SNAPSHOT_SHARE = 0.02  # of training time, at most, spent on the training path saving
 LEFTOVERS = ("snapshots", "metrics.jsonl", "model.pt", "config.json", "curves.png", "tensorboard")
@@ -143,8 +144,7 @@ class Checkpointer:
         if found is None:
             moved = move_aside(self.run_dir)
             if moved is not None:
-                print(f"ddptrain: a fresh start in {self.run_dir}: moved the earlier run's files to {moved}",
-                      flush=True)
+                say(f"ddptrain: a fresh start in {self.run_dir}: moved the earlier run's files to {moved}")
             return None
         self._chosen = Snapshot(*found)
         return self._chosen

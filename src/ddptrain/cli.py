@@ -101,6 +101,7 @@ def _run_as_rank(cfg: Any, local_rank: int | None, rank: int) -> int:
     exit at once, without tearing down a process group whose peers may be gone."""
     from .api import execute
     from .failures import SECONDARY
+    from .report import say
     from .worker import exit_for, leave
 
     try:
@@ -109,10 +110,9 @@ def _run_as_rank(cfg: Any, local_rank: int | None, rank: int) -> int:
         raise
     except BaseException as error:
         if type(error).__name__ in SECONDARY:
-            print(f"ddptrain: {error}", file=sys.stderr, flush=True)
+            say(f"ddptrain: {error}", sys.stderr)
         else:
-            print(f"ddptrain: rank {rank} failed; its traceback:\n{traceback.format_exc().rstrip()}",
-                  file=sys.stderr, flush=True)
+            say(f"ddptrain: rank {rank} failed; its traceback:\n{traceback.format_exc().rstrip()}", sys.stderr)
         leave(1)
         raise  # not reached
 

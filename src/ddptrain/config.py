@@ -51,7 +51,7 @@ MATH_FIELDS = ("task", "seed", "lr", "optimizer", "momentum", "weight_decay", "l
 
 # Settings that do not define *which* run this is: changing them keeps the default run dir,
 # so the same command (or the same command with more epochs) finds its run again.
-NOT_IDENTITY = ("run_dir", "resume", "max_epochs", "progress", "tensorboard", "log_ranks",
+NOT_IDENTITY = ("run_dir", "resume", "max_epochs", "progress", "tensorboard", "plot", "log_ranks",
                 "timeout", "max_restarts", "keep", "save_every", "save_seconds", "eval_every",
                 "workers")
 
@@ -133,6 +133,8 @@ class RunConfig:
     progress: bool | None = _opt("progress bar on rank 0 (default: when stderr is a terminal)",
                                  default=None)
     tensorboard: bool = _opt("write TensorBoard event files into the run dir", default=False)
+    plot: bool = _opt("draw RUN_DIR/curves.png at the end (matplotlib; 0.5-1 s, so off by default: "
+                      "`ddptrain report RUN_DIR` draws it any time)", default=False)
 
     # ---------------------------------------------------------------------------------------
     def hparam(self, name: str) -> Any:

@@ -84,6 +84,10 @@ class _Batches:
         self.device = device
         self.fast_path = uses_fast_path(dataset, collate_fn) if fast_path is None else fast_path
         self.dataset, self.workers, self.collate_fn = dataset, workers, collate_fn
+        # Each DataLoader iterator draws a seed for its workers. From the global generator, that
+        # draw would shift the model's own random stream (dropout) in a resumed run, which
+        # starts one more iterator than the run it continues: the loaders have their own.
+        self.generator = torch.Generator()
         if self.fast_path:
             assert isinstance(dataset, TensorDataset), "the fast path needs a TensorDataset"
             self.tensors = [t.to(device) for t in dataset.tensors]
@@ -94,7 +98,7 @@ class _Batches:
 
     def _loader(self, **kwargs: Any) -> DataLoader:
         return DataLoader(self.dataset, num_workers=self.workers, collate_fn=self.collate_fn,
-                          pin_memory=self.device.type == "cuda", **kwargs)
+                          pin_memory=self.device.type == "cuda", generator=self.generator, **kwargs)
 
     def _moved(self, loader: DataLoader) -> Iterator[Any]:
         non_blocking = self.device.type == "cuda"
@@ -120,6 +124,7 @@ class TrainBatches(_Batches):
         sample; a data set with its own ``set_epoch`` (epoch-dependent augmentation) hears it too."""
         self.sampler.set_epoch(epoch)
         self.sampler.set_start(start)
+        self.generator.manual_seed(self.sampler.seed * 1_000_003 + epoch)  # workers' seeds: (seed, epoch)
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
 

@@ -15,7 +15,6 @@ at the N+1-th.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -27,15 +26,12 @@ REMEDY = ("find the bad sample or lower --lr, or pass --skip-nonfinite N to skip
           "on every rank together")
 
 
-def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """True when no tensor holds a NaN or an infinity (one fused reduction; syncs the host)."""
-    tensors = [t.detach() for t in tensors if t is not None]
-    if not tensors:
-        return True
-    total = torch.nn.utils.get_total_norm(tensors, norm_type=math.inf)
-    if hasattr(total, "full_tensor"):  # sharded parameters (FSDP): the norm of every shard
-        total = total.full_tensor()
-    return bool(torch.isfinite(total))
+def local_all_finite(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
+    """Whether this rank's tensors (its shards, under fsdp) hold no NaN or infinity: a boolean
+    on the device, so checking costs no host synchronisation by itself."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
+    checks = [torch.isfinite(t.detach()).all() for t in local if t.numel()]
+    return torch.stack(checks).all() if checks else torch.tensor(True)
 
 
 class NonFiniteGuard:
@@ -53,7 +49,8 @@ class NonFiniteGuard:
     def check(self, first_bad_steps: list[int], weights_finite: bool, step: int, last_snapshot: str | None) -> None:
         """Raise NonFiniteError if any rank saw a non-finite loss or holds non-finite weights.
 
-        ``first_bad_steps``: every rank's first non-finite step (0: none), already reduced."""
+        ``first_bad_steps``: every rank's first non-finite step (0: none); ``weights_finite``:
+        on every rank. Both already reduced over the ranks."""
         bad = {rank: s for rank, s in enumerate(first_bad_steps) if s > 0}
         kept = f"last good snapshot: {last_snapshot}" if last_snapshot else "no snapshot was written"
         if bad:
@@ -67,9 +64,7 @@ class NonFiniteGuard:
 
     def step_is_finite(self, loss: torch.Tensor, grads: list[torch.Tensor]) -> bool:
         """--skip-nonfinite: every rank's answer for this step, the same on every rank."""
-        ok = torch.isfinite(loss.detach())
-        if grads:
-            ok = ok & torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=math.inf))
+        ok = torch.isfinite(loss.detach()) & local_all_finite(grads).to(loss.device)
         flag = (~ok).to(torch.float32).reshape(1)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)

@@ -123,8 +123,39 @@ def _check_names(sums: Mapping[str, Any], names: list[str]) -> None:
                           "for another; return the same names for every batch")
 
 
-# --- per-rank timings (stragglers) ----------------------------------------------------------
+# --- per-rank timings (stragglers) and memory ------------------------------------------------
 TIMING_NAMES = ("data_s", "compute_s", "collective_s")
+MEMORY_NAMES = ("peak_rss_mb", "model_state_mb")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def model_state_mb(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> float:
+    """Parameters, gradients and optimizer state held by this rank (its shards under fsdp)."""
+    def local_bytes(t: Any) -> int:
+        if not isinstance(t, torch.Tensor):
+            return 0
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    held = sum(local_bytes(p) + local_bytes(p.grad) for p in params)
+    held += sum(local_bytes(v) for state in optimizer.state.values() for v in state.values())
+    return held / 2**20
+
+
+def memory_record(per_rank: list[list[float]]) -> dict[str, Any]:
+    """The largest process's peak RSS and model state, and which rank it was."""
+    record = {}
+    for column, name in enumerate(MEMORY_NAMES):
+        values = [rank_values[column] for rank_values in per_rank]
+        largest = max(range(len(values)), key=values.__getitem__)
+        record[name] = {"max": round(values[largest], 1), "rank": largest}
+    return record
 STRAGGLER_RATIO = 1.5
 
 

@@ -13,6 +13,15 @@ from typing import Any
 from .config import RunConfig
 
 
+def say(text: str, file: Any = None) -> None:
+    """One line (or block) in a single write: ranks share the console, and with
+    PYTHONUNBUFFERED ``print`` writes the text and its newline separately, so two ranks
+    printing at once could splice their lines."""
+    file = file or sys.stdout
+    file.write(text + "\n")
+    file.flush()
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
@@ -54,7 +63,7 @@ class Reporter:
         if self.bar is not None:
             self.bar.write(message, file=sys.stderr)
         else:
-            print(message, flush=True)
+            say(message)
 
     # --- progress bar ------------------------------------------------------------------------
     def epoch_started(self, epoch: int, steps: int, done: int) -> None:
@@ -96,9 +105,8 @@ class Reporter:
         if self.tb is not None:
             self.tb.close()
         self.info(format_summary(summarize(self.run_dir)))
-        note = plot_curves(self.run_dir)
-        if note:
-            self.info(note)
+        if self.cfg.plot:
+            self.info(plot_curves(self.run_dir) or f"curves: {self.run_dir / 'curves.png'}")
 
 
 class NullReporter(Reporter):

@@ -24,11 +24,11 @@ from .checkpointer import Checkpointer, Snapshot, adapt_batch
 from .config import ConfigError, RunConfig, default_run_dir
 from .data import EvalBatches, ResumableDistributedSampler, TrainBatches, steps_per_epoch
 from .dist import DistContext, apply_step_timeout
-from .guard import NonFiniteGuard, all_finite
-from .metrics import EpochLosses, RankTimings, evaluate, timing_record
+from .guard import NonFiniteGuard, local_all_finite
+from .metrics import EpochLosses, RankTimings, evaluate, memory_record, model_state_mb, peak_rss_mb, timing_record
 from .optim import build_optimizer, build_scheduler
 from .preemption import StopSignal
-from .report import NullReporter, Reporter
+from .report import NullReporter, Reporter, say
 from .snapshot_files import atomic_save, restore_rng
 from .strategy import make_strategy
 from .tasks.protocol import Task, check_task
@@ -36,6 +36,7 @@ from .watchdog import NullWatchdog
 
 LOSS_DISPLAY_EVERY = 20  # steps between progress-bar loss reads (each read syncs the device)
 GRADIENT_SYNC = "the gradient all-reduce"
+PER_RANK = 5  # figures every rank reports at an epoch's end: 3 timings (metrics.TIMING_NAMES), 2 memory
 FORWARD_SYNC = "the forward pass's collective (DDP's buffer broadcast, FSDP's parameter all-gather)"
 
 
@@ -64,7 +65,7 @@ class Trainer:
         self.cpu_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else None
         self.watchdog.depart()
         apply_step_timeout(cfg.timeout)
-        params = list(self.model.parameters())
+        self.params = params = list(self.model.parameters())
         self.optimizer = task.make_optimizer(params) if task.make_optimizer else build_optimizer(params, cfg)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16" and self.device.type == "cuda")
@@ -134,8 +135,7 @@ class Trainer:
         """One pass over this rank's shard: ``"done"``, or ``"preempted"`` after a stop signal."""
         self.batches.set_epoch(epoch, start=self.progress.step_in_epoch * self.cfg.grad_accum * self.cfg.batch_size)
         if self.cfg.log_ranks:  # the tutorial's per-rank line (Steps: optimizer steps)
-            print(f"{self.ctx.tag} Epoch:{epoch}|Batchsize:{self.cfg.batch_size}|Steps:{self.steps_per_epoch}",
-                  flush=True)
+            say(f"{self.ctx.tag} Epoch:{epoch}|Batchsize:{self.cfg.batch_size}|Steps:{self.steps_per_epoch}")
         self.reporter.epoch_started(epoch, self.steps_per_epoch, self.progress.step_in_epoch)
         started, samples = time.perf_counter(), 0
         micro_batches = iter(self.batches)
@@ -239,7 +239,8 @@ class Trainer:
             "lr": self.optimizer.param_groups[0]["lr"],
             "samples_per_s": round(samples / seconds, 1) if seconds > 0 else None,
             "epoch_time_s": round(seconds, 3), "samples": samples, "time": round(time.time(), 3),
-            **timing_record(reduced["timings"]),
+            **timing_record([figures[:3] for figures in reduced["per_rank"]]),
+            "memory_mb": memory_record([figures[3:] for figures in reduced["per_rank"]]),
         }
         skipped = [s for s in self.guard.skipped if self.guard.epoch_of(s) == epoch]
         if skipped:
@@ -254,25 +255,30 @@ class Trainer:
         self.losses.reset(first_step=self.progress.global_step)
 
     def _reduce(self, with_timings: bool = False) -> dict[str, Any]:
-        """One all-reduce: the epoch's loss sums, every rank's first non-finite step and (at
-        epoch ends) timings. Raises NonFiniteError, before anything is saved or evaluated, when
-        a loss or a weight is not finite."""
+        """One all-reduce: the epoch's loss sums, whether every rank's losses and weights are
+        finite, and (at epoch ends) every rank's timings and memory. Raises NonFiniteError,
+        before anything is saved or evaluated, when a loss or a weight is not finite."""
         world, rank = self.ctx.world_size, self.ctx.rank
-        timings = self.timings.take(self.watchdog.take_waited()) if with_timings else [0.0, 0.0, 0.0]
-        vector = torch.zeros(2 + 4 * world, dtype=torch.float64, device=self.device)
+        figures = [0.0] * PER_RANK
+        if with_timings:
+            figures = [*self.timings.take(self.watchdog.take_waited()), peak_rss_mb(),
+                       model_state_mb(self.params, self.optimizer)]
+        # [loss sum, loss steps, ranks with non-finite weights, first bad step per rank, figures per rank]
+        vector = torch.zeros(3 + world + PER_RANK * world, dtype=torch.float64, device=self.device)
         vector[0] = self.losses.local_sum()
         vector[1] = self.losses.local_steps()
-        vector[2 + rank] = self.losses.first_nonfinite_step()
-        vector[2 + world + 3 * rank:5 + world + 3 * rank] = torch.tensor(timings, dtype=torch.float64)
+        vector[2] = (~local_all_finite(self.params)).to(self.device, torch.float64)
+        vector[3 + rank] = self.losses.first_nonfinite_step()
+        start = 3 + world + PER_RANK * rank
+        vector[start:start + PER_RANK] = torch.tensor(figures, dtype=torch.float64)
         self.watchdog.arrive("summing the loss over the ranks", self.progress.global_step)
         dist.all_reduce(vector)
         self.watchdog.depart()
         values = vector.tolist()
-        first_bad = [int(s) for s in values[2:2 + world]]
-        self.guard.check(first_bad, all_finite(self.model.parameters()), self.progress.global_step,
+        self.guard.check([int(s) for s in values[3:3 + world]], values[2] == 0, self.progress.global_step,
                          self.checkpointer.newest_path())
-        per_rank = [values[2 + world + 3 * r:5 + world + 3 * r] for r in range(world)]
-        return {"loss_total": values[0], "loss_steps": int(values[1]), "timings": per_rank}
+        per_rank = [values[3 + world + PER_RANK * r:3 + world + PER_RANK * (r + 1)] for r in range(world)]
+        return {"loss_total": values[0], "loss_steps": int(values[1]), "per_rank": per_rank}
 
     def _eval_due(self, epoch: int) -> bool:
         if self.task.eval_set is None:

@@ -36,6 +36,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .failures import PeerFailed, PeerStuck, RankStuck, hard_exit, record_error
+from .report import say
 
 PERIOD_S = 0.5  # how often each rank publishes and looks for a verdict
 STACK_WAIT_S = 5.0  # how long the judge waits for the culprits' stacks
@@ -241,7 +242,7 @@ class Watchdog:
                 (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
                 (self.run_dir / "logs" / "hang.txt").write_text(summary + "\n")
             if not os.environ.get("DDPTRAIN_LOCAL_LAUNCH"):  # ddptrain's own launcher prints it
-                print(summary, file=sys.stderr, flush=True)
+                say(summary, sys.stderr)
         if culprit:
             record_error(RankStuck(f"rank {self.rank} did not reach {verdict['label']} within --timeout "
                                    f"{self.timeout_s:g} s; it was in:\n{stack}"))

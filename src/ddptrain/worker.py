@@ -25,6 +25,7 @@ from .dist import connect_store, hosts_store, joined, resolve_device_kind
 from .environments import detect
 from .failures import PeerFailed, hard_exit
 from .preemption import PREEMPTED_EXIT_CODE
+from .report import say
 from .tasks.protocol import TaskFactory
 from .trainer import Trainer
 from .watchdog import NullWatchdog, Watchdog
@@ -101,7 +102,7 @@ def outcome_message(status: str, cfg: RunConfig) -> str:
 def show_warnings_with_rank(rank: int) -> None:
     """Warnings print as one line that says which rank raised them."""
     def show(message, category, filename, lineno, file=None, line=None) -> None:
-        print(f"ddptrain: rank {rank}: {category.__name__}: {message}", file=file or sys.stderr, flush=True)
+        say(f"ddptrain: rank {rank}: {category.__name__}: {message}", file or sys.stderr)
     warnings.showwarning = show
 
 
@@ -127,6 +128,5 @@ def exit_for(outcome: Outcome, is_main: bool) -> int:
     status, message = outcome
     if is_main and message:
         prefix = "ddptrain: error: " if status == "config_error" else "ddptrain: "
-        print(prefix + message, file=sys.stderr if status not in ("finished", "already_finished") else sys.stdout,
-              flush=True)
+        say(prefix + message, sys.stderr if status not in ("finished", "already_finished") else sys.stdout)
     return EXIT_CODES[status]

@@ -1,0 +1,92 @@
+"""--strategy fsdp (FSDP2): the same training as ddp, sharded state, DCP snapshots that resume
+exactly, load across strategies and world sizes, and less memory."""
+
+import pytest
+import torch
+
+from ddptrain import snapshot_files as files
+from ddptrain.config import RunConfig
+from ddptrain.tasks import digits_task
+
+from conftest import assert_ok, assert_same_weights, ddptrain_cli, fit, load_model, read_metrics
+
+TASKS = "ddptrain_test_tasks:"
+ARGS = {"max_epochs": 2, "save_every": 10}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """digits, 2 ranks, 2 epochs, under each strategy."""
+    base = tmp_path_factory.mktemp("strategies")
+    for strategy in ("ddp", "fsdp"):
+        fit("digits", base / strategy, strategy=strategy, **ARGS)
+    return base
+
+
+@pytest.mark.slow
+def test_fsdp_trains_like_ddp_and_model_pt_loads_into_the_plain_model(runs):
+    ddp, fsdp = load_model(runs / "ddp"), load_model(runs / "fsdp")
+    for key in ddp:
+        torch.testing.assert_close(fsdp[key], ddp[key], rtol=1e-4, atol=1e-6)
+    digits_task(RunConfig(task="digits")).model.load_state_dict(fsdp)  # whole tensors, plain names
+    assert [p.name for p in files.list_snapshots(runs / "fsdp" / "snapshots")] == ["step-000000040", "step-000000046"]
+    accuracy = {strategy: read_metrics(runs / strategy)[-1]["eval_accuracy"] for strategy in ("ddp", "fsdp")}
+    assert accuracy["fsdp"] == pytest.approx(accuracy["ddp"])
+
+
+@pytest.mark.slow
+def test_sigkill_during_an_fsdp_run_resumes_bitwise(runs, tmp_path):
+    env = {"KILL_RANK": "1", "KILL_STEP": "27", "KILL_MARKER": str(tmp_path / "killed")}
+    fit(TASKS + "kill_digits", tmp_path / "run", env=env, strategy="fsdp", max_restarts=1, **ARGS)
+    assert (tmp_path / "killed").exists()
+    assert_same_weights(load_model(tmp_path / "run"), load_model(runs / "fsdp"), exact=True)
+
+
+@pytest.mark.slow
+def test_sigkill_during_an_async_save_never_loads_the_half_written_folder(runs, tmp_path, capfd):
+    env = {"KILL_SNAPSHOT": "3", "KILL_MARKER": str(tmp_path / "killed")}
+    fit(TASKS + "kill_during_async_save", tmp_path / "run", env=env, strategy="fsdp", max_restarts=1, **ARGS)
+    partial = (tmp_path / "killed").read_text()  # the folder rank 0 died committing: .step-000000030.partial
+    out, err = capfd.readouterr()
+    assert partial.endswith(".step-000000030.partial") and f"{partial} was never completed" in err
+    assert f"resumed from {tmp_path / 'run'}/snapshots/step-000000020:" in out
+    assert_same_weights(load_model(tmp_path / "run"), load_model(runs / "fsdp"), exact=True)
+
+
+@pytest.mark.slow
+def test_snapshots_cross_strategies_and_world_sizes(runs, tmp_path):
+    """A ddp snapshot resumes under fsdp and the other way round (bitwise: same ranks, same
+    batches); an fsdp snapshot of 2 ranks resumes on 1 (another split of the batch: allclose)."""
+    import shutil
+
+    for source, strategy, nproc in (("ddp", "fsdp", 2), ("fsdp", "ddp", 2), ("fsdp", "fsdp", 1)):
+        run_dir = tmp_path / f"{source}-as-{strategy}-{nproc}"
+        shutil.copytree(runs / source, run_dir)
+        for path in files.list_snapshots(run_dir / "snapshots")[-1:]:  # resume from step 40, not the end
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        (run_dir / "model.pt").unlink()
+        fit("digits", run_dir, strategy=strategy, nproc=nproc, **ARGS)
+        assert_same_weights(load_model(run_dir), load_model(runs / strategy), exact=nproc == 2)
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_recomputes_without_changing_the_math(runs, tmp_path):
+    for strategy in ("ddp", "fsdp"):
+        fit("digits", tmp_path / strategy, strategy=strategy, activation_checkpointing=True, **ARGS)
+        assert_same_weights(load_model(tmp_path / strategy), load_model(runs / strategy))
+
+
+@pytest.mark.slow
+def test_fsdp_peak_memory_is_at_most_0_7_of_ddp_on_a_34m_parameter_mlp(tmp_path):
+    """Real `ddptrain train` processes (ranks forked from the test process would start with
+    everything the suite imported before, and measure that too)."""
+    peaks = {}
+    for strategy in ("ddp", "fsdp"):
+        assert_ok(ddptrain_cli("train", "--task", TASKS + "mlp_34m", "--strategy", strategy, "--max-epochs", "1",
+                               "--batch-size", "16", "--save-seconds", "0", "--run-dir", str(tmp_path / strategy)))
+        (record,) = read_metrics(tmp_path / strategy)
+        peaks[strategy] = record["memory_mb"]
+    state = {s: peaks[s]["model_state_mb"]["max"] for s in peaks}
+    rss = {s: peaks[s]["peak_rss_mb"]["max"] for s in peaks}
+    assert 500 < state["ddp"] < 560 and state["fsdp"] < 0.55 * state["ddp"], state  # ~34M x 4 B x 4 (AdamW)
+    assert rss["fsdp"] <= 0.7 * rss["ddp"], rss
