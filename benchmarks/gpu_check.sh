@@ -7,6 +7,7 @@ set -euo pipefail
 OUT=${1:-gpu-check}
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+export PYTHONPATH="tests/helpers${PYTHONPATH:+:$PYTHONPATH}"  # the DataLoader-path version of the bench job
 PY=${PYTHON:-python}
 
 $PY -m ddptrain env | tee "$OUT/env.json"
@@ -18,7 +19,7 @@ $PY -m ddptrain train --nproc 1 --device cuda --backend nccl --max-epochs 3 --pr
 echo "== MLP job: in-memory fast path against the DataLoader path (bf16)"
 DDPTRAIN_BENCH_JOB=mlp $PY -m ddptrain train --task ddptrain.bench_loops:bench_task --nproc 1 --device cuda \
     --max-epochs 3 --batch-size 256 --precision bf16 --run-dir "$OUT/mlp-fast" --resume never
-DDPTRAIN_BENCH_JOB=mlp $PY -m ddptrain train --task ddptrain.bench_loops:bench_task_via_dataloader --nproc 1 --device cuda \
+DDPTRAIN_BENCH_JOB=mlp $PY -m ddptrain train --task ddptrain_test_tasks:bench_via_dataloader --nproc 1 --device cuda \
     --max-epochs 3 --batch-size 256 --precision bf16 --workers 4 --run-dir "$OUT/mlp-loader" --resume never
 
 echo "== larger model, and DDP overhead (same model, same loop, with and without DDP)"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ddptrain import snapshot
+from ddptrain import snapshot_files as snapshot
 
 
 def state_for(model: torch.nn.Module) -> dict:
@@ -44,7 +44,8 @@ def main() -> None:
         times = []
         for rep in range(args.reps):
             started = time.perf_counter()
-            path = snapshot.write_snapshot({**state, "global_step": rep}, folder, keep=1)
+            progress = {"epoch": 0, "step_in_epoch": rep, "global_step": rep}
+            path = snapshot.write_snapshot({**state, "progress": progress}, folder, keep=1)
             times.append((time.perf_counter() - started) * 1000)
         size = path.stat().st_size / 1e6
         print(f"{name:40s} {weights:10.1f} {size:8.2f} "

@@ -37,7 +37,7 @@ def train(run_dir: Path, *flags: str) -> str:
 
 
 def digits(tmp: Path) -> None:
-    console = train(tmp / "digits", "--task", "digits", "--nproc", "2")
+    console = train(tmp / "digits", "--task", "digits", "--nproc", "2", "--plot")
     (DOCS / "digits-console.txt").write_text(console)
     shutil.copy(tmp / "digits" / "curves.png", DOCS / "curves.png")
 

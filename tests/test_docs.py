@@ -1,13 +1,15 @@
-"""Every documented command still works.
+"""Every documented command still works, and prints what the docs say it prints.
 
-Fenced blocks in README.md and docs/*.md whose info string is ``sh run`` are run, each
-block as one bash script that stops at the first failing line, in a scratch folder holding
-a copy of examples/ and benchmarks/ (CPU, OMP_NUM_THREADS=1; the documented sizes are
-already small). Blocks marked ``sh gpu`` or ``sh cluster`` cannot run
-here: their ddptrain arguments must parse, `ddptrain <command> --help` must succeed, and
-scripts they name must exist and pass `bash -n`.
+Fenced blocks in README.md and docs/*.md whose info string is ``sh run`` are run, each block
+as one bash script that stops at the first failing line, in a scratch folder holding a copy
+of examples/ (CPU, OMP_NUM_THREADS=1). A ``text`` block right after a run block shows what it
+prints: each of its lines must appear in the output, in that order, where ``…`` stands for
+what differs from run to run (rates, times). Blocks marked ``sh gpu`` or ``sh cluster``
+cannot run here: their ddptrain arguments must parse, `ddptrain <command> --help` must
+succeed, and scripts they name must exist and pass `bash -n`.
 """
 
+import functools
 import re
 import shlex
 import shutil
@@ -20,34 +22,64 @@ from ddptrain.cli import build_parser
 from conftest import BIN, REPO, clean_env, run
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```(\S+)(?: ([\w ]+))?\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^```(\S+)(?: ([\w ]+))?\n(.*?)^```\n", re.S | re.M)
 
 
-def blocks(kind: str) -> list[tuple[str, str]]:
-    """(document, block text) for every ``sh <kind>`` block, continuation lines joined."""
-    return [(doc.name, re.sub(r"\\\n\s*", " ", body))
-            for doc in DOCS for lang, marks, body in FENCE.findall(doc.read_text())
-            if lang == "sh" and kind in (marks or "").split()]
+def blocks(kind: str) -> list[tuple[str, str, str | None]]:
+    """(document, block text, the text block it prints or None) for every ``sh <kind>`` block."""
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        fences = list(FENCE.finditer(text))
+        for fence, following in zip(fences, fences[1:] + [None]):
+            lang, marks, body = fence.groups()
+            if lang != "sh" or kind not in (marks or "").split():
+                continue
+            shows = None
+            adjacent = following is not None and not text[fence.end():following.start()].strip()
+            if adjacent and following.group(1) == "text":
+                shows = following.group(3)
+            found.append((doc.name, re.sub(r"\\\n\s*", " ", body), shows))
+    return found
 
 
 def commands(kind: str) -> list[tuple[str, str]]:
-    return [(doc, line.strip()) for doc, body in blocks(kind) for line in body.splitlines()
+    return [(doc, line.strip()) for doc, body, _ in blocks(kind) for line in body.splitlines()
             if line.strip() and not line.strip().startswith("#")]
 
 
-def test_docs_mark_commands():
+def test_docs_mark_commands_and_show_their_output():
     assert len(blocks("run")) >= 10 and commands("cluster") and commands("gpu")
+    assert sum(shows is not None for _, _, shows in blocks("run")) >= 6
+
+
+def _pattern(line: str) -> re.Pattern[str]:
+    return re.compile("^" + ".*?".join(re.escape(part) for part in line.rstrip().split("…")) + r"\s*$")
+
+
+def assert_shows(output: str, shown: str, where: str) -> None:
+    """Each shown line matches an output line, in order (other output lines may come between)."""
+    lines = output.splitlines()
+    position = 0
+    for expected in (line for line in shown.splitlines() if line.strip()):
+        pattern = _pattern(expected)
+        while position < len(lines) and not pattern.match(lines[position]):
+            position += 1
+        assert position < len(lines), f"{where}: the docs show\n  {expected}\nbut the command printed:\n{output}"
+        position += 1
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("doc,command", blocks("run"), ids=lambda v: v.splitlines()[0][:60] if "\n" in v else v)
-def test_runnable_block(doc, command, tmp_path):
-    for folder in ("examples", "benchmarks"):
-        shutil.copytree(REPO / folder, tmp_path / folder)
+@pytest.mark.parametrize("doc,command,shows", blocks("run"),
+                         ids=lambda v: (v.splitlines()[0][:60] if "\n" in v else v) if isinstance(v, str) else "")
+def test_runnable_block(doc, command, shows, tmp_path):
+    shutil.copytree(REPO / "examples", tmp_path / "examples")
     env = clean_env()
     env["PATH"] = f"{BIN}:{env['PATH']}"
-    result = run(["bash", "-e", "-c", command], env=env, cwd=tmp_path, timeout=300)
-    assert result.returncode == 0, f"{doc}: `{command}` exited {result.returncode}\n{result.stdout}\n{result.stderr}"
+    result = run(["bash", "-e", "-c", f"exec 2>&1\n{command}"], env=env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, f"{doc}: `{command}` exited {result.returncode}\n{result.stdout}"
+    if shows is not None:
+        assert_shows(result.stdout, shows, doc)
 
 
 def _ddptrain_args(words: list[str]) -> list[str] | None:
@@ -68,8 +100,19 @@ def test_gpu_and_cluster_commands_parse(doc, command):
     args = _ddptrain_args(words)
     if args is None:
         return
-    sub = args[0]
-    if sub == "train":
+    if args[0] == "train":
         parsed, unknown = build_parser().parse_known_args(args)
         assert not unknown, f"{doc}: `{command}`: ddptrain does not know {unknown}"
-    assert run([str(BIN / "ddptrain"), sub, "--help"]).returncode == 0
+    assert _help_works(args[0])
+
+
+@functools.cache
+def _help_works(subcommand: str) -> bool:
+    return run([str(BIN / "ddptrain"), subcommand, "--help"]).returncode == 0
+
+
+def test_shown_output_is_matched_line_by_line_in_order():
+    output = "training x\nepoch 0 | 12,345 samples/s\nnoise\nsummary\n"
+    assert_shows(output, "epoch 0 | … samples/s\nsummary\n", "here")
+    with pytest.raises(AssertionError, match="the docs show"):
+        assert_shows(output, "summary\nepoch 0 | … samples/s\n", "here")  # the order matters

@@ -1,14 +1,15 @@
-"""Every launch mode trains the same weights: ddptrain's own launch, torchrun,
-torch.distributed.launch --use-env, and two torchrun agents forming a two-node job."""
+"""Every launch mode trains the same weights: two torchrun agents forming a two-node job, and
+two of ddptrain's own launches at the same moment. (torchrun and torch.distributed.launch
+--use-env on one node: docs/guide.md's launcher block runs them and compares the weights with
+ddptrain's own launch, bit for bit; tests/test_docs.py runs it.)"""
 
 import pytest
 
 from ddptrain import free_port
 
-from conftest import BIN, assert_ok, assert_same_weights, fit, load_model, run
+from conftest import BIN, assert_same_weights, fit, load_model
 
 TRAIN = ["train", "--max-epochs", "2", "--batch-size", "16", "--momentum", "0.9"]
-PY = str(BIN / "python")
 
 
 @pytest.fixture(scope="module")
@@ -16,22 +17,6 @@ def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("reference")
     fit("regression", run_dir, max_epochs=2, batch_size=16, momentum=0.9)
     return load_model(run_dir)
-
-
-@pytest.mark.slow
-def test_torchrun(tmp_path, reference):
-    result = run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "ddptrain",
-                  *TRAIN, "--run-dir", str(tmp_path)])
-    assert_ok(result)
-    assert_same_weights(load_model(tmp_path), reference, exact=True)
-
-
-@pytest.mark.slow
-def test_torch_distributed_launch_use_env(tmp_path, reference):
-    result = run([PY, "-m", "torch.distributed.launch", "--use-env", "--nproc-per-node=2",
-                  f"--master-port={free_port()}", "-m", "ddptrain", *TRAIN, "--run-dir", str(tmp_path)])
-    assert_ok(result)
-    assert_same_weights(load_model(tmp_path), reference, exact=True)
 
 
 @pytest.mark.slow

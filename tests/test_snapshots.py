@@ -205,7 +205,7 @@ def test_sigterm_to_one_rank_saves_and_exits_cleanly_then_resumes_exactly(tmp_pa
 @pytest.mark.slow
 def test_a_run_killed_without_run_dir_resumes_with_the_same_command(tmp_path, start):
     """No --run-dir: the command's settings name its folder, so the same command finds it again."""
-    command = [str(BIN / "ddptrain"), "train", "--max-epochs", "60", "--save-every", "10", "--nproc", "2"]
+    command = [str(BIN / "ddptrain"), "train", "--max-epochs", "30", "--save-every", "10", "--nproc", "2"]
     (tmp_path / "straight").mkdir()
     assert_ok(run(command, cwd=tmp_path / "straight"))
     (tmp_path / "killed").mkdir()

@@ -116,6 +116,8 @@ class Trainer:
             self._resume_from(start)  # needs the scheduler
             if self.progress.epoch >= self.cfg.max_epochs > 0:
                 return "already_finished"
+            where = f"epoch {self.progress.epoch}, step {self.progress.global_step}"
+            self.reporter.info(f"resumed from {start.path}: {where}")
         self.reporter.begin(self.cfg, resumed_step=self.progress.global_step if start else None)
         if start is None:
             self.reporter.info(f"training {self.cfg.task} on {self.ctx.world_size} rank(s), "
@@ -359,7 +361,6 @@ class Trainer:
         self.load_state_dict(start.state, start.whole)
         if start.state["world_size"] == self.ctx.world_size:
             restore_rng(start.state["rng"][self.ctx.rank])
-        self.reporter.info(f"resumed from {start.path}: epoch {self.progress.epoch}, step {self.progress.global_step}")
 
     def _build_data(self) -> None:
         cfg, ctx, task = self.cfg, self.ctx, self.task

@@ -283,7 +283,8 @@ def mlp_34m(cfg) -> Task:
                                   for _ in range(blocks)],
                                 torch.nn.Linear(width, 1))
     data = regression_task(cfg).train_set
-    return Task(model=model, train_set=Subset(data, range(256)), loss_fn=F.mse_loss,
+    # 2 steps of 16 per rank: the peak comes with the first optimizer step (AdamW's state)
+    return Task(model=model, train_set=Subset(data, range(64)), loss_fn=F.mse_loss,
                 defaults={"optimizer": "adamw", "lr": 1e-4})
 
 
@@ -344,4 +345,13 @@ def ddp_settings(cfg) -> Task:
         return loss_fn(model(batch[0]), batch[1])
 
     task.step_fn = step
+    return task
+
+
+def bench_via_dataloader(cfg) -> Task:
+    """The benchmark's job (DDPTRAIN_BENCH_JOB) through the DataLoader path (benchmarks/gpu_check.sh)."""
+    from ddptrain.bench_loops import bench_task
+
+    task = bench_task(cfg)
+    task.train_set = PlainDataset(task.train_set)
     return task
