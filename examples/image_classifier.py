@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 import ddptrain
-from ddptrain.tasks.digits import load_digits, stratified_split
+from ddptrain.tasks import load_digits, stratified_split
 
 PAD = 1  # pixels of padding before an 8x8 crop: shifts of up to one pixel each way
 

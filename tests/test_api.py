@@ -1,5 +1,6 @@
 """ddptrain.fit: the command line's path from Python, in a script, under torchrun, in-process."""
 
+import concurrent.futures
 import signal
 
 import pytest
@@ -63,8 +64,12 @@ def test_the_tutorial_scripts_run_twice_in_the_same_folder(tmp_path):
     spawn = [str(BIN / "python"), str(EXAMPLES / "ddp_gpus.py"), "--max_epochs", "1", "--run_dir", "r1"]
     torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", str(EXAMPLES / "ddp_gpus_torchrun.py"),
                 "--max_epochs", "1", "--run_dir", "r2"]
-    for command in (spawn, torchrun):
-        first, second = run(command, cwd=tmp_path), run(command, cwd=tmp_path)
+    def twice(command: list[str]) -> tuple:
+        return run(command, cwd=tmp_path), run(command, cwd=tmp_path)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # two folders, OS-picked ports
+        results = list(pool.map(twice, (spawn, torchrun)))
+    for first, second in results:
         for result in (first, second):
             assert_ok(result)
             assert "storage" not in result.stderr

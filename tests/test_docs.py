@@ -9,6 +9,7 @@ cannot run here: their ddptrain arguments must parse, `ddptrain <command> --help
 succeed, and scripts they name must exist and pass `bash -n`.
 """
 
+import concurrent.futures
 import functools
 import re
 import shlex
@@ -69,14 +70,31 @@ def assert_shows(output: str, shown: str, where: str) -> None:
         position += 1
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("doc,command,shows", blocks("run"),
-                         ids=lambda v: (v.splitlines()[0][:60] if "\n" in v else v) if isinstance(v, str) else "")
-def test_runnable_block(doc, command, shows, tmp_path):
-    shutil.copytree(REPO / "examples", tmp_path / "examples")
+RUN_BLOCKS = blocks("run")
+
+
+@pytest.fixture(scope="module")
+def block_results(tmp_path_factory):
+    """Every run block's output, two blocks at a time (each in a scratch folder of its own, on
+    ports the OS picks: they only share the CPUs, and nothing here measures time)."""
     env = clean_env()
     env["PATH"] = f"{BIN}:{env['PATH']}"
-    result = run(["bash", "-e", "-c", f"exec 2>&1\n{command}"], env=env, cwd=tmp_path, timeout=300)
+
+    def execute(command: str) -> subprocess.CompletedProcess[str]:
+        folder = tmp_path_factory.mktemp("block")
+        shutil.copytree(REPO / "examples", folder / "examples")
+        return run(["bash", "-e", "-c", f"exec 2>&1\n{command}"], env=env, cwd=folder, timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(execute, [command for _, command, _ in RUN_BLOCKS]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(RUN_BLOCKS)),
+                         ids=[f"{doc}-{command.splitlines()[0][:50]}" for doc, command, _ in RUN_BLOCKS])
+def test_runnable_block(index, block_results):
+    doc, command, shows = RUN_BLOCKS[index]
+    result = block_results[index]
     assert result.returncode == 0, f"{doc}: `{command}` exited {result.returncode}\n{result.stdout}"
     if shows is not None:
         assert_shows(result.stdout, shows, doc)

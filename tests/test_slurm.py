@@ -48,9 +48,12 @@ def test_srun_ranks_train_like_a_local_launch(slurm, tmp_path):
 
 
 @pytest.mark.slow
-def test_sbatch_preempted_by_sigterm_requeues_and_resumes_exactly(slurm, tmp_path):
-    args = ["--max-epochs", "60", "--momentum", "0.9"]
-    fit("regression", tmp_path / "reference", max_epochs=60, momentum=0.9)
+def test_sbatch_preempted_by_sigusr1_requeues_and_resumes_exactly(slurm, tmp_path):
+    """scancel --signal=USR1 is what `#SBATCH --signal=USR1@60` sends the ranks before the time
+    limit: each saves a snapshot at a step boundary and exits 143, the script requeues the job,
+    and the requeued job resumes. (SIGTERM: tests/test_snapshots.py.)"""
+    args = ["--max-epochs", "40", "--momentum", "0.9"]
+    fit("regression", tmp_path / "reference", max_epochs=40, momentum=0.9)
     run_dir = tmp_path / "run"
     env = slurm_env(slurm, RUN_DIR=str(run_dir))
     submitted = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/job-%j.out",
@@ -63,7 +66,7 @@ def test_sbatch_preempted_by_sigterm_requeues_and_resumes_exactly(slurm, tmp_pat
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
         assert time.monotonic() < deadline, f"the job did not start training\n{slurm.log_tails()}"
         time.sleep(0.1)
-    subprocess.run(["scancel", "--signal=TERM", job], env=env, check=True, timeout=30)
+    subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True, timeout=30)
     deadline = time.monotonic() + 240
     while (state := job_state(slurm, job)).get("JobState") != "COMPLETED":
         assert time.monotonic() < deadline, f"job {job} is {state.get('JobState')}\n{slurm.log_tails()}"

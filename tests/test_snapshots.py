@@ -183,8 +183,8 @@ def _wait_for_epochs(run_dir, epochs, deadline_s=60):
 
 @pytest.mark.slow
 def test_sigterm_to_one_rank_saves_and_exits_cleanly_then_resumes_exactly(tmp_path, start):
-    flags = ["--max-epochs", "60", "--momentum", "0.9"]
-    fit("regression", tmp_path / "reference", max_epochs=60, momentum=0.9)
+    flags = ["--max-epochs", "40", "--momentum", "0.9"]
+    fit("regression", tmp_path / "reference", max_epochs=40, momentum=0.9)
     run_dir = tmp_path / "run"
     job = start([str(BIN / "ddptrain"), "train", *flags, "--nproc", "2", "--run-dir", str(run_dir)])
     _wait_for_epochs(run_dir, 2)
@@ -195,7 +195,7 @@ def test_sigterm_to_one_rank_saves_and_exits_cleanly_then_resumes_exactly(tmp_pa
     saved = files.list_snapshots(run_dir / "snapshots")
     assert saved and "model.pt" not in os.listdir(run_dir)
     step = files.load_snapshot(saved[-1])["progress"]["global_step"]
-    assert 0 < step < 60 * 32
+    assert 0 < step < 40 * 32
     result = ddptrain_cli("train", *flags, "--nproc", "2", "--run-dir", str(run_dir))
     assert_ok(result)
     assert f"step {step}" in result.stdout
@@ -205,7 +205,7 @@ def test_sigterm_to_one_rank_saves_and_exits_cleanly_then_resumes_exactly(tmp_pa
 @pytest.mark.slow
 def test_a_run_killed_without_run_dir_resumes_with_the_same_command(tmp_path, start):
     """No --run-dir: the command's settings name its folder, so the same command finds it again."""
-    command = [str(BIN / "ddptrain"), "train", "--max-epochs", "30", "--save-every", "10", "--nproc", "2"]
+    command = [str(BIN / "ddptrain"), "train", "--max-epochs", "20", "--save-every", "10", "--nproc", "2"]
     (tmp_path / "straight").mkdir()
     assert_ok(run(command, cwd=tmp_path / "straight"))
     (tmp_path / "killed").mkdir()

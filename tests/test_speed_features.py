@@ -61,14 +61,16 @@ def test_static_graph_and_bucket_size_reach_ddp_and_keep_the_weights_bitwise(pla
     fit(TASKS + "ddp_settings", tmp_path / "run", env={"SETTINGS_FILE": str(settings)}, static_graph=True,
         bucket_cap_mb=1, **EPOCHS)
     assert json.loads(settings.read_text()) == {"wrapper": "DistributedDataParallel", "static_graph": True,
-                                                "bucket_bytes_cap": 2**20}
+                                                "bucket_bytes_cap": 2**20, "compiled": False}
     assert_same_weights(load_model(tmp_path / "run"), load_model(plain / "regression"), exact=True)
 
 
 @pytest.mark.slow
-def test_compile_gives_allclose_weights_and_plain_keys(plain, tmp_path):
-    fit("regression", tmp_path, compile=True, **EPOCHS)
-    compiled = load_model(tmp_path)
+def test_compile_trains_a_compiled_module_to_allclose_weights_and_plain_keys(plain, tmp_path):
+    settings = tmp_path / "settings.json"
+    fit(TASKS + "ddp_settings", tmp_path / "run", env={"SETTINGS_FILE": str(settings)}, compile=True, **EPOCHS)
+    assert json.loads(settings.read_text())["compiled"]  # DDP wraps torch.compile's module
+    compiled = load_model(tmp_path / "run")
     assert set(compiled) == {"weight", "bias"}  # no "_orig_mod." prefixes
     assert_same_weights(compiled, load_model(plain / "regression"))
 
@@ -96,7 +98,7 @@ def test_bench_with_peers_prints_one_table_of_the_same_job(tmp_path):
     if not all(importlib.util.find_spec(peer) for peer in ("lightning", "accelerate")):  # (importing Lightning
         pytest.skip("the bench extra (pip install 'ddptrain[bench]') is not installed")  # here sets variables)
     result = run([str(BIN / "ddptrain"), "bench", "--smoke", "--peers", "--reps", "1", "--jobs", "tutorial",
-                  "--out", str(tmp_path)], timeout=300)
+                  "--contenders", "loop,ddptrain,lightning,accelerate", "--out", str(tmp_path)], timeout=300)
     assert_ok(result)
     rows = _table(result.stdout)
     assert [r[1] for r in rows] == ["loop", "ddptrain", "lightning", "accelerate"]
@@ -110,9 +112,10 @@ def test_bench_with_peers_prints_one_table_of_the_same_job(tmp_path):
 def test_bench_names_missing_peers_in_one_line(tmp_path):
     hide = "import sys; sys.modules['lightning'] = sys.modules['accelerate'] = None; from ddptrain.cli import main; "
     result = run([str(BIN / "python"), "-c", hide + "sys.exit(main(sys.argv[1:]))", "bench", "--smoke", "--peers",
-                  "--reps", "1", "--jobs", "tutorial", "--out", str(tmp_path)], timeout=300)
+                  "--reps", "1", "--jobs", "tutorial", "--contenders", "ddptrain-skip", "--out", str(tmp_path)],
+                 timeout=300)
     assert_ok(result)
     missing = [line for line in result.stdout.splitlines() if "not installed" in line]
     assert missing == ["ddptrain bench: lightning and accelerate not installed (pip install 'ddptrain[bench]'): "
                        "their rows are left out"]
-    assert [r[1] for r in _table(result.stdout)] == ["loop", "ddptrain"]
+    assert [r[1] for r in _table(result.stdout)] == ["ddptrain-skip"]

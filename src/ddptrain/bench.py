@@ -27,34 +27,41 @@ from typing import Any
 
 from .bench_loops import JOBS, SMOKE_SAMPLES, final_loss
 
-BASE = ("loop", "ddptrain")
+# ddptrain-skip: ddptrain with --skip-nonfinite 1, the non-finite guard's per-step mode (a check and
+# a one-element all-reduce every step); ddptrain's default guard costs no per-step work.
+BASE = ("loop", "ddptrain", "ddptrain-skip")
 PEERS = ("lightning", "accelerate")
 
 
 def command(contender: str, job: str, nproc: int, epochs: int, out: str) -> list[str]:
     python = sys.executable
-    if contender == "ddptrain":
+    if contender.startswith("ddptrain"):
         return [python, "-m", "ddptrain", "train", "--task", "ddptrain.bench_loops:bench_task", "--nproc", str(nproc),
                 "--max-epochs", str(epochs), "--batch-size", "32", "--run-dir", out, "--resume", "never",
-                "--no-progress"]
+                "--no-progress", *(["--skip-nonfinite", "1"] if contender == "ddptrain-skip" else [])]
     loop = ["-m", "ddptrain.bench_loops", "--loop", contender, "--job", job, "--epochs", str(epochs), "--out", out]
     if contender == "accelerate":  # Accelerate's multi-process CPU runs are torchrun's (it sets the world size)
         return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *loop]
     return [python, *loop, "--nproc", str(nproc)]
 
 
-def run_once(contender: str, job: str, nproc: int, epochs: int, env: dict[str, str]) -> tuple[float, float]:
-    """(wall seconds of the whole command, full-data loss of its final weights)."""
+def run_once(contender: str, job: str, nproc: int, epochs: int, env: dict[str, str], log: Any = print
+             ) -> tuple[float, float]:
+    """(wall seconds of the whole command, full-data loss of its final weights). A failed
+    run is tried once more (and said so): one crash of a contender is not the benchmark's end."""
     import torch
 
-    with tempfile.TemporaryDirectory() as out:
-        started = time.perf_counter()
-        done = subprocess.run(command(contender, job, nproc, epochs, out), env={**env, "DDPTRAIN_BENCH_JOB": job},
-                              capture_output=True, text=True)
-        wall = time.perf_counter() - started
-        if done.returncode != 0:
-            raise RuntimeError(f"{contender} {job} x{nproc} failed:\n{done.stderr[-3000:]}")
-        return wall, final_loss(job, torch.load(Path(out) / "model.pt", weights_only=True))
+    for attempt in (1, 2):
+        with tempfile.TemporaryDirectory() as out:
+            started = time.perf_counter()
+            done = subprocess.run(command(contender, job, nproc, epochs, out),
+                                  env={**env, "DDPTRAIN_BENCH_JOB": job}, capture_output=True, text=True)
+            wall = time.perf_counter() - started
+            if done.returncode == 0:
+                return wall, final_loss(job, torch.load(Path(out) / "model.pt", weights_only=True))
+        error = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+        log(f"  {contender} {job} failed ({error}); " + ("trying once more" if attempt == 1 else "giving up"))
+    raise RuntimeError(f"{contender} {job} x{nproc} failed twice:\n{done.stderr[-3000:]}")
 
 
 def measure(contenders: list[str], jobs: list[str], nproc: int, reps: int, epochs: dict[str, int],
@@ -65,15 +72,15 @@ def measure(contenders: list[str], jobs: list[str], nproc: int, reps: int, epoch
         for job in jobs:
             turn = rep % len(contenders)
             for contender in contenders[turn:] + contenders[:turn]:  # rotate who goes first
-                short, loss = run_once(contender, job, nproc, 1, env)
+                short, loss = run_once(contender, job, nproc, 1, env, log)
                 long = short
                 if epochs[job]:  # (a smoke run checks the plumbing: one command each)
-                    long, loss = run_once(contender, job, nproc, 1 + epochs[job], env)
+                    long, loss = run_once(contender, job, nproc, 1 + epochs[job], env, log)
                 # the extra samples over the extra wall (not measurable when the longer run was no longer)
                 rate = epochs[job] * samples[job] / (long - short) if long > short else float("nan")
                 runs.append({"job": job, "contender": contender, "rep": rep, "wall_1_epoch_s": short,
                              "samples_per_s": rate, "final_loss": loss})
-                log(f"  rep {rep} {job:8s} {contender:10s} {rate:10,.0f} samples/s  1-epoch wall {short:5.2f} s  "
+                log(f"  rep {rep} {job:8s} {contender:13s} {rate:10,.0f} samples/s  1-epoch wall {short:5.2f} s  "
                     f"loss {loss:.6g}")
     return runs
 
@@ -95,7 +102,8 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "job": job, "contender": contender, **median[contender],
                 "samples_per_s_range": [min(r["samples_per_s"] for r in of), max(r["samples_per_s"] for r in of)],
                 "wall_range": [min(r["wall_1_epoch_s"] for r in of), max(r["wall_1_epoch_s"] for r in of)],
-                "vs_loop": median[contender]["samples_per_s"] / median["loop"]["samples_per_s"],
+                "vs_loop": (median[contender]["samples_per_s"] / median["loop"]["samples_per_s"]
+                            if "loop" in median else None),
                 "wall_vs_fastest_peer": median[contender]["wall_1_epoch_s"] / fastest_peer if fastest_peer else None,
                 "same_loss_as_all": same_loss,
             })
@@ -108,19 +116,21 @@ def _median(values: list[float]) -> float:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = (f"{'job':9s} {'contender':10s} {'samples/s (min-max)':>27s} {'vs loop':>7s} "
+    header = (f"{'job':9s} {'contender':13s} {'samples/s (min-max)':>27s} {'vs loop':>7s} "
               f"{'1-epoch wall (min-max)':>23s} {'vs fastest peer':>15s} {'final loss':>11s}")
     lines = [header, "-" * len(header)]
     for r in rows:
         rate = f"{r['samples_per_s']:,.0f} ({r['samples_per_s_range'][0]:,.0f}-{r['samples_per_s_range'][1]:,.0f})"
         wall = f"{r['wall_1_epoch_s']:.2f} s ({r['wall_range'][0]:.2f}-{r['wall_range'][1]:.2f})"
         peer = f"{r['wall_vs_fastest_peer']:.2f}" if r["wall_vs_fastest_peer"] else ""
-        lines.append(f"{r['job']:9s} {r['contender']:10s} {rate:>27s} {r['vs_loop']:7.2f} {wall:>23s} {peer:>15s} "
+        vs_loop = f"{r['vs_loop']:.2f}" if r["vs_loop"] is not None else ""
+        lines.append(f"{r['job']:9s} {r['contender']:13s} {rate:>27s} {vs_loop:>7s} {wall:>23s} {peer:>15s} "
                      f"{r['final_loss']:11.6g}")
     for job in dict.fromkeys(r["job"] for r in rows):
         same = all(r["same_loss_as_all"] for r in rows if r["job"] == job)
         lines.append(f"{job}: every contender ended at the same loss: {'yes' if same else 'NO'} "
                      "(same model, samples, order and optimizer)")
+    lines.append("ddptrain-skip: ddptrain with --skip-nonfinite 1 (a finiteness check and agreement every step)")
     return "\n".join(lines)
 
 
@@ -136,7 +146,7 @@ def draw_chart(rows: list[dict[str, Any]], path: Path) -> str | None:
     for column, job in enumerate(jobs):
         mine = [r for r in rows if r["job"] == job]
         names = [r["contender"] for r in mine]
-        colors = ["#e83" if n == "ddptrain" else "#69c" if n == "loop" else "#999" for n in names]
+        colors = ["#e83" if n.startswith("ddptrain") else "#69c" if n == "loop" else "#999" for n in names]
         for row, (key, spread, label) in enumerate((("samples_per_s", "samples_per_s_range", "samples/s"),
                                                     ("wall_1_epoch_s", "wall_range", "1-epoch command wall (s)"))):
             ax = axes[row][column]
@@ -170,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mlp-epochs", type=int, default=3, help="extra epochs of the MLP job (default 3)")
     parser.add_argument("--peers", action="store_true", help="add Lightning and Accelerate rows (pip install "
                         "'ddptrain[bench]')")
+    parser.add_argument("--contenders", default=None, help="comma-separated subset of loop, ddptrain, ddptrain-skip "
+                        "(and lightning, accelerate with --peers); default: all")
     parser.add_argument("--smoke", action="store_true", help="tiny data, 1-epoch commands only: checks the plumbing")
     parser.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png")
     args = parser.parse_args(argv)
@@ -186,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ddptrain bench: {' and '.join(missing)} not installed (pip install 'ddptrain[bench]'): "
                   f"{'its' if len(missing) == 1 else 'their'} rows are left out", flush=True)
         contenders += [peer for peer in PEERS if peer not in missing]
+    if args.contenders:
+        wanted = args.contenders.split(",")
+        unknown = sorted(set(wanted) - set(BASE) - set(PEERS))
+        if unknown:
+            parser.error(f"--contenders: unknown {', '.join(unknown)}")
+        contenders = [c for c in contenders if c in wanted]
     print(f"ddptrain bench: {args.reps} rep(s) of {jobs} at {args.nproc} ranks, contenders {contenders}, "
           f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, {os.cpu_count()} CPUs", flush=True)
     runs = measure(contenders, jobs, args.nproc, args.reps, epochs, env, log=lambda m: print(m, flush=True))

@@ -89,6 +89,7 @@ def _loop_rank(rank: int, world: int, job: str, epochs: int, out: str) -> None:
             optimizer.step()
     if rank == 0:
         _save(model.module, out)
+    dist.barrier()  # rank 0 hosts the store: nobody tears down while another still talks to it
     dist.destroy_process_group()
 
 
@@ -167,3 +168,17 @@ def main() -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def mlp34m_task(cfg: Any) -> Task:
+    """A ~34M-parameter MLP (32 blocks of 1024x1024) with AdamW: ddp against fsdp memory
+    (benchmarks/fsdp_memory.py). FSDP holds a block or two whole besides its shards, so
+    the blocks are a fraction of the model, as in a transformer."""
+    width, blocks = 1024, 32
+    model = torch.nn.Sequential(torch.nn.Linear(20, width),
+                                *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU())
+                                  for _ in range(blocks)],
+                                torch.nn.Linear(width, 1))
+    samples = int(os.environ.get("DDPTRAIN_BENCH_SAMPLES", "512"))
+    return Task(model=model, train_set=regression_data(cfg.seed, samples), loss_fn=F.mse_loss,
+                defaults={"optimizer": "adamw", "lr": 1e-4})

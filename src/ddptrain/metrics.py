@@ -62,12 +62,17 @@ class EpochLosses:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: EvalBatches, task: Task, autocast: Any = None,
-             rank: int = 0, world_size: int = 1, watchdog: Any = None) -> dict[str, float]:
-    """``{"loss": …, <metric>: …, "samples": n}`` over the whole set, exact for any world size."""
+             rank: int = 0, world_size: int = 1, watchdog: Any = None,
+             forward_syncs: bool = False) -> dict[str, float]:
+    """``{"loss": …, <metric>: …, "samples": n}`` over the whole set, exact for any world size.
+    ``forward_syncs``: the model's forward holds a collective (sharded): marked for the
+    watchdog, and the model's forward pre-hook marks its end (see Trainer)."""
     rows: dict[int, dict[str, torch.Tensor]] = {}
     was_training = model.training
     model.eval()
     for batch_no, batch in batches:
+        if forward_syncs and watchdog is not None:
+            watchdog.arrive("an evaluation forward (FSDP's parameter all-gather)")
         with autocast or contextlib.nullcontext():
             sums = _batch_sums(model, batch, task)
         if batch_no >= 0:  # -1: a padding batch (data.EvalBatches), run but not counted

@@ -293,7 +293,7 @@ class Trainer:
             return {}
         model = self.strategy.eval_model(self.module, self.model)
         result = evaluate(model, self.eval_batches, self.task, self._autocast(), self.ctx.rank,
-                          self.ctx.world_size, self.watchdog)
+                          self.ctx.world_size, self.watchdog, forward_syncs=self.strategy.name == "fsdp")
         return {f"eval_{k}": v for k, v in result.items()}
 
     def _save(self) -> None:

@@ -274,18 +274,13 @@ def eval_without_samples(cfg) -> Task:
 
 # --- bigger models -------------------------------------------------------------------------------
 def mlp_34m(cfg) -> Task:
-    """A ~34M-parameter MLP (32 blocks of 1024x1024) with AdamW: fsdp against ddp memory. FSDP
-    holds a block or two whole at a time besides its shards, so blocks are a fraction of the
-    model, as in a transformer (8 blocks of 2048x2048 measured 0.72x instead of 0.68x)."""
-    width, blocks = 1024, 32
-    model = torch.nn.Sequential(torch.nn.Linear(20, width),
-                                *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU())
-                                  for _ in range(blocks)],
-                                torch.nn.Linear(width, 1))
-    data = regression_task(cfg).train_set
-    # 2 steps of 16 per rank: the peak comes with the first optimizer step (AdamW's state)
-    return Task(model=model, train_set=Subset(data, range(64)), loss_fn=F.mse_loss,
-                defaults={"optimizer": "adamw", "lr": 1e-4})
+    """The benchmark's ~34M-parameter MLP with AdamW (ddptrain.bench_loops), on 64 samples: 2 steps
+    of 16 per rank, as the peak memory comes with the first optimizer step (AdamW's state)."""
+    from ddptrain.bench_loops import mlp34m_task
+
+    task = mlp34m_task(cfg)
+    task.train_set = Subset(task.train_set, range(64))
+    return task
 
 
 def small_gpt2(cfg) -> Task:
@@ -339,8 +334,10 @@ def ddp_settings(cfg) -> Task:
     def step(model, batch):
         if not recorded:
             recorded.append(1)
+            inner = getattr(model, "module", model)
             settings = {"wrapper": type(model).__name__, "static_graph": getattr(model, "static_graph", None),
-                        "bucket_bytes_cap": getattr(model, "bucket_bytes_cap", None)}
+                        "bucket_bytes_cap": getattr(model, "bucket_bytes_cap", None),
+                        "compiled": type(inner).__name__ == "OptimizedModule"}
             Path(os.environ["SETTINGS_FILE"]).write_text(json.dumps(settings))
         return loss_fn(model(batch[0]), batch[1])
 

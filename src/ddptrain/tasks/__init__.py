@@ -14,23 +14,12 @@ from collections.abc import Callable
 import torch
 
 from ..config import ConfigError, RunConfig
+from .digits import digits_task, load_digits, stratified_split
 from .protocol import Task, TaskFactory, check_task
+from .regression import regression_data, regression_task
 
 __all__ = ["Task", "TaskFactory", "build", "resolve_factory", "factory_name", "BUILTIN", "regression_task",
-           "digits_task"]
-
-
-def regression_task(cfg: RunConfig) -> Task:
-    """The tutorial's job: 2048 random samples, 20 features -> 1, Linear(20, 1), MSE."""
-    from .regression import regression_task
-    return regression_task(cfg)
-
-
-def digits_task(cfg: RunConfig) -> Task:
-    """scikit-learn's 8x8 digits (shipped with ddptrain), a small MLP, cross-entropy, accuracy."""
-    from .digits import digits_task
-    return digits_task(cfg)
-
+           "regression_data", "digits_task", "load_digits", "stratified_split"]
 
 BUILTIN: dict[str, TaskFactory] = {"regression": regression_task, "digits": digits_task}
 
