@@ -9,14 +9,14 @@ from __future__ import annotations
 
 __version__ = "0.2.0"
 
-from .config import ConfigError, RunConfig  # noqa: E402
-from .tasks.protocol import Task  # noqa: E402
+from .config import ConfigError, RunConfig  # noqa: E402 (no torch: a bad flag is reported at once)
 
 __all__ = ["ConfigError", "RunConfig", "Stopped", "Task", "Trainer", "TrainingFailed", "__version__",
            "fit", "free_port", "process_group"]
 
-_LAZY = {  # these pull in torch.distributed: imported on first use
-    "Trainer": ("trainer", "Trainer"), "fit": ("api", "fit"), "TrainingFailed": ("api", "TrainingFailed"),
+_LAZY = {  # these pull in torch: imported on first use
+    "Task": ("tasks.protocol", "Task"), "Trainer": ("trainer", "Trainer"),
+    "fit": ("api", "fit"), "TrainingFailed": ("api", "TrainingFailed"),
     "Stopped": ("api", "Stopped"), "process_group": ("dist", "process_group"), "free_port": ("dist", "free_port"),
 }
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import tasks
 from .config import (
     ConfigError,
     RunConfig,
@@ -23,8 +22,10 @@ from .config import (
     read_settings_file,
     validate,
 )
-from .tasks.protocol import TaskFactory
-from .worker import Outcome
+
+if TYPE_CHECKING:  # torch is imported only once the settings are known to be good
+    from .tasks.protocol import TaskFactory
+    from .worker import Outcome
 
 
 class TrainingFailed(RuntimeError):
@@ -45,12 +46,14 @@ def prepare(task: str | TaskFactory | None, options: Mapping[str, Any],
     settings.update(options)
     factory = None
     if callable(task):
-        factory, settings["task"] = task, tasks.factory_name(task)
+        factory, settings["task"] = task, f"{getattr(task, '__module__', None) or '__main__'}:{task.__qualname__}"
     elif task is not None:
         settings["task"] = task
     cfg = from_options(settings)
     validate(cfg)
     if factory is None:
+        from . import tasks
+
         tasks.resolve_factory(cfg.task)  # import errors before any rank starts
     return cfg, factory
 

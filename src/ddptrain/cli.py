@@ -80,15 +80,17 @@ def given_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def train(args: argparse.Namespace) -> int:
-    from .api import execute, prepare
+    from .api import prepare
     from .environments import LocalEnvironment, detect
-    from .launch import LaunchFailed
-    from .worker import exit_for
 
-    cfg, factory = prepare(None, given_options(args), args.config)
+    cfg, factory = prepare(None, given_options(args), args.config)  # torch is not imported before this
     env = detect(local_rank_arg=args.local_rank)
     if not isinstance(env, LocalEnvironment):  # torchrun or srun started this process: one rank
         return _run_as_rank(cfg, args.local_rank, env.rank)
+    from .api import execute
+    from .launch import LaunchFailed
+    from .worker import exit_for
+
     try:
         return exit_for(execute(cfg, factory), is_main=True)
     except LaunchFailed as failure:
@@ -157,5 +159,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def entry() -> None:
+    """The ``ddptrain`` command. Once the work is done (files closed, output flushed, ranks
+    gone), the process ends without the interpreter's teardown: with torch._dynamo loaded (DDP
+    imports it) that teardown took 0.75 s of a 3.9 s one-epoch command, and does nothing."""
+    from .failures import hard_exit
+
+    hard_exit(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -115,27 +115,7 @@ def init_device(device_kind: str, env: Environment) -> torch.device:
         torch.cuda.set_device(device)
         return device
     set_cpu_threads(env.local_world_size)
-    return_large_buffers_to_os()
     return torch.device("cpu")
-
-
-MMAP_THRESHOLD = 1 << 20  # bytes; glibc's M_MMAP_THRESHOLD is mallopt parameter -3
-
-
-def return_large_buffers_to_os() -> None:
-    """CPU tensors come from glibc's malloc, which moves its mmap threshold up after the first
-    large free: from then on, buffers freed and reallocated every step (FSDP's per-block
-    all-gathers, gradient buckets) fragment the heap and the process only grows (measured: a
-    34M-parameter MLP under fsdp grew from 640 MB to 1.2 GB in 3 steps). A fixed 1 MiB
-    threshold sends every large buffer to mmap, which returns it on free."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).mallopt(-3, MMAP_THRESHOLD) if name else None
-    except (OSError, AttributeError):  # not glibc: its allocator, its rules
-        pass
 
 
 @contextmanager

@@ -30,6 +30,25 @@ from .tasks.protocol import Task
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+MMAP_THRESHOLD = 1 << 20  # bytes; glibc's M_MMAP_THRESHOLD is mallopt parameter -3
+
+
+def return_large_buffers_to_os() -> None:
+    """CPU tensors come from glibc's malloc, which moves its mmap threshold up after the first
+    large free: from then on, the whole blocks FSDP gathers and frees every step fragment the
+    heap and the process only grows (measured: a 34M-parameter MLP grew from 640 MB to 1.2 GB
+    in 3 steps). A fixed 1 MiB threshold sends every large buffer to mmap, which returns it on
+    free. Not for ddp: there it cost ~15% of the MLP benchmark's throughput, for no memory."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).mallopt(-3, MMAP_THRESHOLD) if name else None
+    except (OSError, AttributeError):  # not glibc: its allocator, its rules
+        pass
+
+
 class FSDPStrategy(DDPStrategy):
     name = "fsdp"
     snapshot_format = "dcp"
@@ -40,6 +59,8 @@ class FSDPStrategy(DDPStrategy):
         # --precision is FSDP's mixed-precision policy (parameters cast once per all-gather,
         # gradients reduced in fp32), not autocast.
         self.autocast = False
+        if ctx.device.type == "cpu":
+            return_large_buffers_to_os()
 
     def wrap(self, module: torch.nn.Module, task: Task) -> torch.nn.Module:
         module.to(self.ctx.device)

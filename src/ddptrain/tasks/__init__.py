@@ -18,7 +18,7 @@ from .digits import digits_task, load_digits, stratified_split
 from .protocol import Task, TaskFactory, check_task
 from .regression import regression_data, regression_task
 
-__all__ = ["Task", "TaskFactory", "build", "resolve_factory", "factory_name", "BUILTIN", "regression_task",
+__all__ = ["Task", "TaskFactory", "build", "resolve_factory", "BUILTIN", "regression_task",
            "regression_data", "digits_task", "load_digits", "stratified_split"]
 
 BUILTIN: dict[str, TaskFactory] = {"regression": regression_task, "digits": digits_task}
@@ -46,12 +46,6 @@ def resolve_factory(name: str) -> TaskFactory:
     if not callable(factory):
         raise ConfigError(f"--task {name}: module {module_name!r} has no function {func_name!r}")
     return factory
-
-
-def factory_name(factory: Callable[..., Task]) -> str:
-    """``module:qualname`` of a factory function, the name ``--task`` would give it."""
-    module = getattr(factory, "__module__", None) or "__main__"
-    return f"{module}:{getattr(factory, '__qualname__', type(factory).__name__)}"
 
 
 def build(cfg: RunConfig, factory: Callable[[RunConfig], Task] | None = None) -> Task:
