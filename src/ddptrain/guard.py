@@ -64,8 +64,12 @@ class NonFiniteGuard:
 
     def step_is_finite(self, loss: torch.Tensor, grads: list[torch.Tensor]) -> bool:
         """--skip-nonfinite: every rank's answer for this step, the same on every rank."""
-        ok = torch.isfinite(loss.detach()) & local_all_finite(grads).to(loss.device)
-        flag = (~ok).to(torch.float32).reshape(1)
+        sharded = any(hasattr(g, "to_local") for g in grads)
+        if grads and not sharded:  # one fused norm: non-finite when any element is
+            grads_ok = torch.isfinite(torch.nn.utils.get_total_norm(grads))
+        else:  # FSDP's shards can be empty, which norms refuse: check each
+            grads_ok = local_all_finite(grads).to(loss.device)
+        flag = (~(torch.isfinite(loss.detach()) & grads_ok)).to(torch.float32).reshape(1)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return not bool(flag.item())
