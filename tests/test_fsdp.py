@@ -90,3 +90,14 @@ def test_fsdp_peak_memory_is_at_most_0_7_of_ddp_on_a_34m_parameter_mlp(tmp_path)
     rss = {s: peaks[s]["peak_rss_mb"]["max"] for s in peaks}
     assert 500 < state["ddp"] < 560 and state["fsdp"] < 0.55 * state["ddp"], state  # ~34M x 4 B x 4 (AdamW)
     assert rss["fsdp"] <= 0.7 * rss["ddp"], rss
+
+
+@pytest.mark.slow
+def test_clipping_under_fsdp_uses_the_norm_over_every_shard(runs, tmp_path):
+    """Clipped at 0.5 (digits' gradient norms reach several), fsdp must end where ddp does: a
+    norm over this rank's shards alone, or no clipping at all, would give other weights."""
+    for strategy in ("ddp", "fsdp"):
+        fit("digits", tmp_path / strategy, strategy=strategy, clip_grad=0.5, **ARGS)
+    clipped = load_model(tmp_path / "fsdp")
+    assert_same_weights(clipped, load_model(tmp_path / "ddp"))
+    assert not torch.equal(clipped["0.weight"], load_model(runs / "fsdp")["0.weight"])  # clipping acted
