@@ -4,11 +4,13 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from ddptrain import ConfigError, RunConfig
 from ddptrain.api import prepare
 from ddptrain.cli import build_parser, given_options
 from ddptrain.config import default_run_dir
+from ddptrain.tasks.protocol import check_loss, check_pair
 
 
 def test_a_config_never_changes_once_made():
@@ -69,3 +71,16 @@ def test_config_json_records_every_setting():
 def test_bad_keyword_options_raise_config_error(options, words):
     with pytest.raises(ConfigError, match=words):
         prepare("regression", options)
+
+
+@pytest.mark.parametrize("check,value,words", [
+    (check_pair, {"x": 1}, r"loss_fn needs \(inputs, target\) batches, but a batch is a dict; .* step_fn"),
+    (check_pair, (1, 2, 3), "a batch is a tuple of 3"),
+    (lambda loss: check_loss(loss, "step_fn"), torch.ones(4), r"step_fn returned \(4,\), not a scalar"),
+    (lambda loss: check_loss(loss, "loss_fn"), torch.tensor(3), "not a scalar floating-point"),
+])
+def test_batches_and_losses_that_break_the_task_contract_are_named(check, value, words):
+    with pytest.raises(ConfigError, match=words):
+        check(value)
+    check_pair((torch.ones(1), torch.ones(1)))
+    check_loss(torch.tensor(0.5), "loss_fn")

@@ -67,6 +67,18 @@ class ResumableDistributedSampler(DistributedSampler):
         return self.num_samples - self.start
 
 
+def batch_size_of(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        size = batch_size_of(value)
+        if size:
+            return size
+    return 0
+
+
 def steps_per_epoch(dataset_len: int, world_size: int, batch_size: int) -> int:
     """Batches each rank runs per epoch (DistributedSampler pads ranks to equal length)."""
     return math.ceil(math.ceil(dataset_len / world_size) / batch_size)

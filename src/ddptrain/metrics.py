@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .config import ConfigError
 from .data import EvalBatches
 from .dist import broadcast_object
-from .tasks.protocol import Task
+from .tasks.protocol import Task, check_pair
 
 
 class EpochLosses:
@@ -104,6 +104,7 @@ def _batch_sums(model: torch.nn.Module, batch: Any, task: Task) -> dict[str, Any
             raise ConfigError("Task.eval_fn must return a dict of per-batch sums with the batch's sample "
                               "count under 'samples', e.g. {'loss': loss_sum, 'samples': n}")
         return dict(sums)
+    check_pair(batch)
     inputs, target = batch
     output = model(inputs)
     count = target.shape[0]

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from .checkpointer import Checkpointer, Snapshot, adapt_batch
-from .config import ConfigError, RunConfig, default_run_dir
-from .data import EvalBatches, ResumableDistributedSampler, TrainBatches, steps_per_epoch
+from .config import RunConfig, default_run_dir
+from .data import EvalBatches, ResumableDistributedSampler, TrainBatches, batch_size_of, steps_per_epoch
 from .dist import DistContext, apply_step_timeout
 from .guard import NonFiniteGuard, local_all_finite
 from .metrics import EpochLosses, RankTimings, evaluate, memory_record, model_state_mb, peak_rss_mb, timing_record
@@ -31,7 +31,7 @@ from .preemption import StopSignal
 from .report import NullReporter, Reporter, say
 from .snapshot_files import atomic_save, restore_rng
 from .strategy import make_strategy
-from .tasks.protocol import Task, check_task
+from .tasks.protocol import Task, check_loss, check_pair, check_task
 from .watchdog import NullWatchdog
 
 LOSS_DISPLAY_EVERY = 20  # steps between progress-bar loss reads (each read syncs the device)
@@ -214,7 +214,7 @@ class Trainer:
                                    "pass --find-unused-parameters") from None
             raise
         if not self.loss_checked:
-            check_scalar(loss, "step_fn" if self.task.step_fn is not None else "loss_fn")
+            check_loss(loss, "step_fn" if self.task.step_fn is not None else "loss_fn")
             self.loss_checked = True
         return loss
 
@@ -380,28 +380,3 @@ class Trainer:
             return None  # nothing to step
         return build_scheduler(self.optimizer, self.cfg, self.steps_per_epoch * self.cfg.max_epochs)
 
-
-def batch_size_of(batch: Any) -> int:
-    """Samples in a batch: the first dimension of its first tensor."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    for value in values:
-        size = batch_size_of(value)
-        if size:
-            return size
-    return 0
-
-
-def check_pair(batch: Any) -> None:
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise ConfigError(f"Task.loss_fn needs (inputs, target) batches, but a batch is a {type(batch).__name__}"
-                          f"{f' of {len(batch)}' if isinstance(batch, (tuple, list)) else ''}; for other batches "
-                          "give step_fn(model, batch) -> loss instead")
-
-
-def check_scalar(loss: Any, name: str) -> None:
-    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ConfigError(f"Task.{name} returned {shape}, not a scalar floating-point loss tensor; "
-                          "reduce it, e.g. with .mean()")

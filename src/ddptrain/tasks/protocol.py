@@ -73,3 +73,19 @@ def check_task(task: Any, name: str) -> None:
                           "data sets (torch.utils.data.Dataset with __len__ and __getitem__)") from None
     if len(task.train_set) == 0:  # type: ignore[arg-type]
         raise ConfigError(f"--task {name}: Task.train_set is empty")
+
+
+def check_pair(batch: Any) -> None:
+    """ConfigError unless ``batch`` is an ``(inputs, target)`` pair, the shape loss_fn needs."""
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise ConfigError(f"Task.loss_fn needs (inputs, target) batches, but a batch is a {type(batch).__name__}"
+                          f"{f' of {len(batch)}' if isinstance(batch, (tuple, list)) else ''}; for other batches "
+                          "give step_fn(model, batch) -> loss instead")
+
+
+def check_loss(loss: Any, name: str) -> None:
+    """ConfigError unless ``loss`` (returned by Task.``name``) is a scalar floating-point tensor."""
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ConfigError(f"Task.{name} returned {shape}, not a scalar floating-point loss tensor; "
+                          "reduce it, e.g. with .mean()")
