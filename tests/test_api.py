@@ -1,12 +1,14 @@
 """ddptrain.fit: the command line's path from Python, in a script, under torchrun, in-process."""
 
 import concurrent.futures
+import logging
 import signal
 
 import pytest
 
 import ddptrain
 from ddptrain import ConfigError
+from ddptrain.launch import QUIETED_LOGGERS
 
 from conftest import BIN, REPO, assert_ok, assert_same_weights, clean_env, fit, load_model, run
 
@@ -39,9 +41,11 @@ def _factory(cfg):  # a factory defined where fit() is called
 @pytest.mark.slow
 def test_fit_in_process_returns_the_summary_and_leaves_the_process_as_it_was(tmp_path):
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)}
+    levels = {name: logging.getLogger(name).level for name in QUIETED_LOGGERS}
     summary = fit(_factory, tmp_path, max_epochs=2)
     assert summary["epochs"] == 2 and summary["steps"] == 64 and summary["train_loss"] > 0
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # Ctrl-C works as before
+    assert {name: logging.getLogger(name).level for name in levels} == levels  # torch's logs as before
     # (the no_leaked_environment fixture fails the test if fit() left a variable behind)
 
 

@@ -33,6 +33,13 @@ from .worker import Outcome, rank_entry
 
 # The elastic agent installs handlers for these in the launching process and leaves them.
 AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+# torch logs every failed rank's traceback as an unreadable wall, and a line per rank it
+# terminates after another ended; failure_report / the hang report say which rank caused it.
+QUIETED_LOGGERS = {
+    "torch.distributed.elastic.multiprocessing.api": logging.CRITICAL,
+    "torch.distributed.elastic.agent.server.api": logging.ERROR,
+    "torch.multiprocessing.spawn": logging.ERROR,
+}
 
 
 class LaunchFailed(RuntimeError):
@@ -71,11 +78,16 @@ def check_can_listen(addr: str, port: int) -> None:
 
 @contextlib.contextmanager
 def launcher_scope(**variables: str) -> Iterator[None]:
-    """Set ``variables`` for the launch; afterwards restore the environment (the elastic
-    agent adds variables of its own) and the signal handlers."""
+    """Set ``variables`` and quiet torch's launcher logs for the launch; afterwards restore the
+    environment (the elastic agent adds variables of its own), the signal handlers and the
+    log levels."""
     handlers = {sig: signal.getsignal(sig) for sig in AGENT_SIGNALS}
+    loggers = {name: logging.getLogger(name) for name in QUIETED_LOGGERS}
+    levels = {name: logger.level for name, logger in loggers.items()}
     saved = dict(os.environ)
     os.environ.update(variables)
+    for name, logger in loggers.items():
+        logger.setLevel(QUIETED_LOGGERS[name])
     try:
         yield
     finally:
@@ -83,6 +95,8 @@ def launcher_scope(**variables: str) -> Iterator[None]:
         os.environ.update(saved)
         for sig, handler in handlers.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        for name, logger in loggers.items():
+            logger.setLevel(levels[name])
 
 
 def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFactory | None) -> Outcome:
@@ -99,10 +113,6 @@ def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFact
         max_restarts=cfg.max_restarts, monitor_interval=0.1, start_method=start_method(device_kind),
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")),
     )
-    # torch logs every failed rank's traceback as an unreadable wall; failure_report says
-    # which rank caused the failure and shows that one.
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
     if config.start_method == "fork":
         # DDP's constructor imports torch._dynamo (~1.5 s); done once here, forked ranks share it.
         import torch._dynamo  # noqa: F401
