@@ -379,4 +379,3 @@ class Trainer:
         if self.cfg.lr_schedule == "constant" and self.cfg.warmup_steps == 0:
             return None  # nothing to step
         return build_scheduler(self.optimizer, self.cfg, self.steps_per_epoch * self.cfg.max_epochs)
-
