@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# Not --no-compile: where PYTHONDONTWRITEBYTECODE=1 (this project's machines), every process
+# would then compile torch from source at import (tried: the suite went from 5 to over 10 min).
 PIP := $(BIN)/pip install --quiet --constraint constraints.txt
 export OMP_NUM_THREADS ?= 1
 
