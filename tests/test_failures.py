@@ -162,4 +162,8 @@ def test_root_cause_prefers_the_real_error_over_the_ranks_that_only_felt_it():
     # a rank killed by a signal leaves no report: it explains the others' lost connections
     assert root_cause({0: errors[0]}, killed={1: "SIGKILL"}) == 1
     assert root_cause({0: errors[0]}, killed={}).rank == 0
+    # the launcher terminated rank 0 (after rank 1 ended) before rank 0 heard of the failure
+    terminated = _error(0, "SignalException", "Process 4242 got signal: 15", 0)
+    assert root_cause({0: terminated, 1: errors[1]}, killed={}).rank == 1
+    assert root_cause({0: terminated}, killed={}).rank == 0
 

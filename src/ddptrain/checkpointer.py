@@ -1,6 +1,6 @@
 """Snapshot policy: where a run starts, when it saves, and what every rank knows was saved.
 
-The Trainer is known here only as a source and sink of state (``capture()`` /
+The Trainer is known here only as a source and sink of state (``state_dict()`` /
 ``load_state_dict()``); file handling (atomic writes, validated loads, rotation) lives in
 snapshot_files.py. Start-up is one collective step, ``restore_point``:
 

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,9 @@ class NonFiniteError(RuntimeError):
 
 
 SECONDARY = ("PeerFailed", "PeerStuck")
+# torch's exception in a rank that the launcher terminated (after another rank ended) before
+# the rank heard of the failure itself: never the cause while a real error exists.
+TERMINATED = "SignalException"
 # Reported as one line "ddptrain: error: ..." (no traceback); the value is the exit status.
 ONE_LINE = {"ConfigError": 2, "SnapshotError": 2, "StorageNotShared": 2, "NonFiniteError": 1}
 # What a rank sees when its peer has died: the peer is the cause, not this rank.
@@ -52,16 +56,33 @@ LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pi
              "Socket closed", "Connection refused")
 
 
+_error_file_lock = threading.Lock()
+_error_file_written = False
+
+
 def record_error(error: BaseException) -> None:
-    """Write ``error`` to this rank's torchelastic error file (when a launcher asked for one)."""
+    """Write ``error`` to this rank's torchelastic error file (when a launcher asked for one).
+
+    Once per process, the first error wins: the watchdog thread and the main thread can fail
+    at the same moment (a peer's exit breaks the collective the main thread waits in while
+    the thread acts on the verdict), and two writers interleaved in one file left JSON that
+    torch's agent could not read (seen once in a fresh clone's suite)."""
+    global _error_file_written
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-    try:
-        raise error
-    except BaseException as raised:  # record_exception reads the exception being handled
-        ErrorHandler().record_exception(raised)
+    with _error_file_lock:
+        if _error_file_written:
+            return
+        _error_file_written = True
+        if sys.exc_info()[1] is error:  # being handled here (@record): its traceback as it is
+            ErrorHandler().record_exception(error)
+            return
+        try:
+            raise error
+        except BaseException as raised:  # record_exception reads the exception being handled
+            ErrorHandler().record_exception(raised)
 
 
 def hard_exit(code: int) -> None:
@@ -112,7 +133,7 @@ def root_cause(errors: dict[int, RankError], killed: dict[int, str]) -> RankErro
     def earliest(candidates: list[RankError]) -> RankError | None:
         return min(candidates, key=lambda e: e.mtime_ns) if candidates else None
 
-    primary = [e for e in errors.values() if e.kind not in SECONDARY and not e.lost_peer]
+    primary = [e for e in errors.values() if e.kind not in (*SECONDARY, TERMINATED) and not e.lost_peer]
     if primary:
         return earliest(primary)
     silent = sorted(r for r in killed if r not in errors)
@@ -149,10 +170,10 @@ def failure_report(failure: Any, nproc: int, run_dir: Path) -> tuple[str, int]:
             continue
         if rank in errors and errors[rank].kind in SECONDARY:
             lines.append(f"ddptrain: {errors[rank].text.split(': ', 1)[0]}")
-        elif rank in errors:
+        elif rank in errors and errors[rank].kind != TERMINATED:
             lines.append(f"ddptrain: rank {rank}: {errors[rank].text.splitlines()[0][:300]}")
         else:
-            lines.append(f"ddptrain: rank {rank}: stopped by the launcher")
+            lines.append(f"ddptrain: rank {rank} stopped by the launcher (it had no error of its own)")
     if attempt_dir:
         lines.append(f"ddptrain: training failed; error reports in {attempt_dir}")
     return "\n".join(lines), 1

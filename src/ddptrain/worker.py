@@ -12,18 +12,19 @@ once (failures.hard_exit).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from . import tasks
 from .config import ConfigError, RunConfig
 from .dist import connect_store, hosts_store, joined, resolve_device_kind
 from .environments import detect
-from .failures import PeerFailed, hard_exit
+from .failures import PeerFailed, hard_exit, record_error
 from .preemption import PREEMPTED_EXIT_CODE
 from .report import say
 from .tasks.protocol import TaskFactory
@@ -38,11 +39,18 @@ EXIT_CODES = {"finished": 0, "already_finished": 0, "config_error": 2, "preempte
 _watchdog: Watchdog | None = None  # this process's rank's watchdog (one rank per process)
 
 
+class ErrorFileOnce(ErrorHandler):
+    """``@record``'s handler, writing through failures.record_error: once per process."""
+
+    def record_exception(self, e: BaseException) -> None:
+        record_error(e)
+
+
 def rank_entry(cfg: RunConfig, factory: TaskFactory | None) -> Outcome:
     """What ddptrain's own launcher starts in every local rank."""
     try:
         return run_rank(cfg, factory)
-    except BaseException:  # @record has written the error file
+    except BaseException:  # @record has written the error file (or the watchdog thread has)
         leave(1)
         raise  # not reached
 
@@ -54,7 +62,7 @@ def leave(code: int) -> None:
     hard_exit(code)
 
 
-@record
+@functools.partial(record, error_handler=ErrorFileOnce())
 def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg: int | None = None) -> Outcome:
     env = detect(local_rank_arg=local_rank_arg)
     show_warnings_with_rank(env.rank)
@@ -78,6 +86,8 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
         watchdog.stop()
         return "config_error", str(error)
     except BaseException as error:
+        if watchdog.acting.is_set():  # the watchdog thread reports a verdict (a hang) and ends the process
+            watchdog.exit_process(1)
         if not watchdog.report_failure(error) and not isinstance(error, PeerFailed):
             # Another rank failed first; this one only felt it (a closed connection, say).
             raise PeerFailed(f"rank {env.rank} stopped after another rank failed: "
