@@ -46,7 +46,7 @@ def prepare(task: str | TaskFactory | None, options: Mapping[str, Any],
     settings.update(options)
     factory = None
     if callable(task):
-        factory, settings["task"] = task, f"{getattr(task, '__module__', None) or '__main__'}:{task.__qualname__}"
+        factory, settings["task"] = task, factory_name(task)
     elif task is not None:
         settings["task"] = task
     cfg = from_options(settings)
@@ -56,6 +56,13 @@ def prepare(task: str | TaskFactory | None, options: Mapping[str, Any],
 
         tasks.resolve_factory(cfg.task)  # import errors before any rank starts
     return cfg, factory
+
+
+def factory_name(factory: TaskFactory) -> str:
+    """``module:qualname`` of a factory, the name ``--task`` would give it (a callable object or
+    a functools.partial has no ``__qualname__``: its type's name stands in)."""
+    module = getattr(factory, "__module__", None) or "__main__"
+    return f"{module}:{getattr(factory, '__qualname__', type(factory).__name__)}"
 
 
 def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | None = None) -> Outcome:
