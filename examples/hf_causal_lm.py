@@ -5,6 +5,10 @@ library's own source). Dict batches, a collate_fn, step_fn and eval_fn.
     pip install 'ddptrain[hf]'
     python examples/hf_causal_lm.py --max_epochs 3              # from Python: ddptrain.fit
     cd examples && ddptrain train --task hf_causal_lm:gpt2_task  # or the command line
+
+``gpt2_lines_task`` trains on lines of different lengths, padded: its step_fn returns the
+loss as (sum over real tokens, token count), so each step is the mean over the global
+batch's tokens, exactly, on any number of ranks.
 """
 
 import argparse
@@ -50,6 +54,44 @@ def step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return model(**batch).loss
 
 
+class ByteLines(Dataset):
+    """The corpus's non-empty lines (at most SEQUENCE bytes each): samples of different lengths."""
+
+    def __init__(self, data: bytes) -> None:
+        self.lines = [torch.tensor(list(line[:SEQUENCE])) for line in data.splitlines() if len(line.strip()) > 1]
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.lines[index]}
+
+
+def collate_padded(samples: list[dict]) -> dict:
+    """Pad to the longest line; padding is masked out of attention and of the labels (-100)."""
+    ids = torch.nn.utils.rnn.pad_sequence([s["input_ids"] for s in samples], batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s["input_ids"]) for s in samples], batch_first=True)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def token_sum_step(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss as (sum over the batch's real tokens, their count): ddptrain divides by the
+    count of the whole global step, so every token weighs the same however the lines are
+    spread over ranks and micro-batches (a mean per batch would weigh short lines more)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = batch["labels"][:, 1:]
+    total = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).float(), targets,
+                                              ignore_index=-100, reduction="sum")
+    return total, (targets != -100).sum()
+
+
+@torch.no_grad()
+def evaluate_tokens(model: torch.nn.Module, batch: dict) -> dict:
+    """Per-batch sums; "samples" is what ddptrain divides by: here, tokens."""
+    total, tokens = token_sum_step(model, batch)
+    return {"loss": total, "samples": tokens}
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batch: dict) -> dict:
     """Per-batch sums: ddptrain adds them over ranks and divides by "samples"."""
@@ -81,6 +123,17 @@ def gpt2_task(cfg: ddptrain.RunConfig) -> ddptrain.Task:
         blocks=lambda model: list(model.transformer.h),  # for --strategy fsdp / --activation-checkpointing
         defaults={"optimizer": "adamw", "lr": 2e-3},
     )
+
+
+def gpt2_lines_task(cfg: ddptrain.RunConfig) -> ddptrain.Task:
+    """The same model on lines of different lengths, padded, with a loss averaged over tokens."""
+    task = gpt2_task(cfg)
+    lines = ByteLines(corpus())
+    cut = len(lines) * 9 // 10
+    task.train_set = torch.utils.data.Subset(lines, range(cut))
+    task.eval_set = torch.utils.data.Subset(lines, range(cut, len(lines)))
+    task.collate_fn, task.step_fn, task.eval_fn = collate_padded, token_sum_step, evaluate_tokens
+    return task
 
 
 if __name__ == "__main__":

@@ -51,18 +51,66 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def descendants(pid: int) -> list[int]:
+    """Every living process started by ``pid``, its children's children included."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL ``process`` and everything it started. Found by parentage before anything dies
+    (an orphan is adopted by init): torchrun's workers are not in torchrun's process group."""
+    family = descendants(process.pid)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # its session (start_new_session): orphans of earlier kills too
+    except ProcessLookupError:
+        pass
+    for pid in family:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def finish(process: subprocess.Popen, timeout: float) -> tuple[str, str, bool]:
+    """(stdout, stderr, ran past the timeout) of a started command; past ``timeout`` every
+    process it started is killed, and reading what it wrote waits 10 s at most."""
+    try:
+        out, err = process.communicate(timeout=timeout)
+        return out, err, False
+    except subprocess.TimeoutExpired:
+        kill_tree(process)
+    try:
+        out, err = process.communicate(timeout=10)
+    except subprocess.TimeoutExpired:  # a process outside the tree still holds the pipes
+        for stream in (process.stdout, process.stderr):
+            if stream is not None:
+                stream.close()
+        out, err = "", "(output lost: the pipes stayed open after every process was killed)"
+    return out, err, True
+
+
 def run(args: list[str], timeout: float = 180, env: dict[str, str] | None = None,
         cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """Run a command to completion. Past ``timeout`` the test fails, and the command's whole
-    process group (launchers leave ranks behind otherwise) is killed."""
-    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or clean_env(),
-                          cwd=cwd, stdin=subprocess.DEVNULL, start_new_session=True) as process:
-        try:
-            out, err = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            out, err = process.communicate()
-            raise AssertionError(f"`{' '.join(args)}` ran past {timeout} s\n{out}\n{err}") from None
+    """Run a command to completion. Past ``timeout`` the test fails, and everything the
+    command started (launchers leave ranks behind otherwise) is killed."""
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=env or clean_env(), cwd=cwd, stdin=subprocess.DEVNULL, start_new_session=True)
+    out, err, late = finish(process, timeout)
+    if late:
+        raise AssertionError(f"`{' '.join(args)}` ran past {timeout} s\n{out}\n{err}")
     return subprocess.CompletedProcess(args, process.returncode, out, err)
 
 
@@ -81,11 +129,7 @@ def start():
 
     yield launch
     for process in started:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.communicate()
+        finish(process, timeout=0)
 
 
 def ddptrain_cli(*args: str, timeout: float = 180, env: dict[str, str] | None = None,

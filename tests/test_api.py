@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import logging
+import os
 import signal
 
 import pytest
@@ -42,7 +43,9 @@ def _factory(cfg):  # a factory defined where fit() is called
 def test_fit_in_process_returns_the_summary_and_leaves_the_process_as_it_was(tmp_path):
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)}
     levels = {name: logging.getLogger(name).level for name in QUIETED_LOGGERS}
+    environ = dict(os.environ)
     summary = fit(_factory, tmp_path, max_epochs=2)
+    assert dict(os.environ) == environ  # TORCHINDUCTOR_CACHE_DIR too (torch sets it on importing dynamo)
     assert summary["epochs"] == 2 and summary["steps"] == 64 and summary["train_loss"] > 0
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # Ctrl-C works as before
     assert {name: logging.getLogger(name).level for name in levels} == levels  # torch's logs as before

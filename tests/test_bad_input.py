@@ -80,9 +80,18 @@ CASES = [
     (["--task", TASKS + "not_a_task"], {}, "the factory returned str, not a ddptrain.Task"),
     (["--task", TASKS + "both_loss_and_step"], {}, "Task has both loss_fn and step_fn"),
     (["--task", TASKS + "neither_loss_nor_step"], {}, "Task has neither loss_fn nor step_fn"),
-    (["--task", TASKS + "non_scalar_step"], {}, "Task.step_fn returned (32, 1), not a scalar"),
+    (["--task", TASKS + "non_scalar_step"], {}, "Task.step_fn returned a tensor of shape (32, 1) and dtype float32"),
+    (["--task", TASKS + "integer_step"], {}, "Task.step_fn returned a tensor of shape () and dtype int64, not a scalar "
+                                             "floating-point loss"),
+    (["--task", TASKS + "detached_step"], {}, "Task.step_fn returned a loss that does not depend on any trainable"),
+    (["--task", TASKS + "iterable_with_len"], {}, "Task.train_set is an IterableDataset; ddptrain shards map-style"),
+    (["--task", TASKS + "empty_eval_set"], {}, "Task.eval_set is empty; give it samples, or leave it None"),
+    (["--task", TASKS + "unused_parameters"], {}, "parameter(s) unused.weight, unused.bias got no gradient in the "
+                                                  "first step; use them in the loss"),
+    (["--sync-batchnorm"], {}, "--sync-batchnorm needs CUDA GPUs"),
+    (["--config", "{tmp}/twice.toml"], {}, "'max_epochs' and 'max-epochs' are the same setting"),
     (["--task", TASKS + "eval_without_samples"], {}, "Task.eval_fn must return a dict of per-batch sums with"),
-    (["--strategy", "fsdp"], {}, "--strategy fsdp needs blocks"),
+    (["--strategy", "fsdp", "--activation-checkpointing"], {}, "--activation-checkpointing needs blocks"),
     (["--run-dir", "{tmp}/broken"], {}, "no usable snapshot in"),
 ]
 
@@ -92,6 +101,7 @@ def test_bad_input_is_one_line_exit_2(args, env, words, tmp_path, capfd, monkeyp
     (tmp_path / "notes.txt").write_text("not a snapshot = [")
     (tmp_path / "unknown.toml").write_text("bogus = 1\n")
     (tmp_path / "wrong.toml").write_text('max-epochs = "five"\n')
+    (tmp_path / "twice.toml").write_text("max_epochs = 2\nmax-epochs = 3\n")
     (tmp_path / "broken" / "snapshots").mkdir(parents=True)
     (tmp_path / "broken" / "snapshots" / "step-000000003.pt").write_bytes(b"\x00" * 10)
     for key in [k for k in os.environ if k.startswith(("SLURM_", "MASTER_")) or k in TORCHRUN]:

@@ -10,7 +10,7 @@ from ddptrain import ConfigError, RunConfig
 from ddptrain.api import prepare
 from ddptrain.cli import build_parser, given_options
 from ddptrain.config import default_run_dir
-from ddptrain.tasks.protocol import check_loss, check_pair
+from ddptrain.tasks.protocol import check_loss, check_pair, split_loss
 
 
 def test_a_config_never_changes_once_made():
@@ -76,11 +76,28 @@ def test_bad_keyword_options_raise_config_error(options, words):
 @pytest.mark.parametrize("check,value,words", [
     (check_pair, {"x": 1}, r"loss_fn needs \(inputs, target\) batches, but a batch is a dict; .* step_fn"),
     (check_pair, (1, 2, 3), "a batch is a tuple of 3"),
-    (lambda loss: check_loss(loss, "step_fn"), torch.ones(4), r"step_fn returned \(4,\), not a scalar"),
-    (lambda loss: check_loss(loss, "loss_fn"), torch.tensor(3), "not a scalar floating-point"),
+    (lambda loss: check_loss(loss, "step_fn"), torch.ones(4), r"step_fn returned a tensor of shape \(4,\) and "
+     "dtype float32, not a scalar"),
+    (lambda loss: check_loss(loss, "loss_fn"), torch.tensor(3), r"shape \(\) and dtype int64, not a scalar floating"),
+    (lambda loss: check_loss(loss, "step_fn"), 0.5, "returned a float, not a loss tensor"),
+    (lambda loss: check_loss(loss, "step_fn"), torch.tensor(0.5), r"does not depend on any trainable parameter "
+     r"\(detached"),
+    (lambda value: split_loss(value, "step_fn", check=True), (torch.tensor(2.0, requires_grad=True), "n"),
+     r"returned \(Tensor, str\); the pair form is \(loss_sum, count\)"),
 ])
 def test_batches_and_losses_that_break_the_task_contract_are_named(check, value, words):
     with pytest.raises(ConfigError, match=words):
         check(value)
     check_pair((torch.ones(1), torch.ones(1)))
-    check_loss(torch.tensor(0.5), "loss_fn")
+    check_loss(torch.tensor(0.5, requires_grad=True), "loss_fn")
+    loss = torch.tensor(3.0, requires_grad=True)
+    assert split_loss(loss, "step_fn", check=True) == (loss, None)
+    assert split_loss((loss, 7), "step_fn", check=True) == (loss, 7)
+
+
+def test_one_setting_spelled_twice_in_a_settings_file_is_refused(tmp_path):
+    (tmp_path / "both.toml").write_text("max_epochs = 2\nmax-epochs = 3\n")
+    with pytest.raises(ConfigError, match=r"'max_epochs' and 'max-epochs' are the same setting; keep one"):
+        prepare("regression", {}, str(tmp_path / "both.toml"))
+    (tmp_path / "one.toml").write_text("max-epochs = 3\n")
+    assert prepare("regression", {"max_epochs": 4}, str(tmp_path / "one.toml"))[0].max_epochs == 4  # flags win

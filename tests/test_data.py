@@ -1,65 +1,104 @@
-"""Sampling and batching without a process group: DistributedSampler's contract, resumable."""
+"""Sampling and batching without a process group: exact steps on any data-set size, resumable."""
 
+import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from ddptrain.data import (
     EvalBatches,
-    ResumableDistributedSampler,
+    StepSampler,
     TrainBatches,
     batch_size_of,
     eval_batch_ranges,
     eval_shard,
-    steps_per_epoch,
     to_device,
 )
 
 DATA = TensorDataset(torch.arange(50, dtype=torch.float32).unsqueeze(1), torch.arange(50))
 
 
-def order(world, rank, epoch, seed=0):
-    sampler = ResumableDistributedSampler(DATA, world, rank, seed)
+def plan(n, world, rank, batch, accum=1, epoch=0, seed=0, start=0):
+    sampler = StepSampler(n, world, rank, batch, accum, seed)
     sampler.set_epoch(epoch)
-    return list(sampler)
+    return sampler.micro_batches(start)
 
 
-def test_same_order_as_torch_distributed_sampler():
+def steps(n, world, batch, accum=1, epoch=0):
+    """Per optimizer step: the sorted samples of every rank's micro-batches, and the counts."""
+    plans = [plan(n, world, r, batch, accum, epoch) for r in range(world)]
+    result = []
+    for t in range(len(plans[0]) // accum):
+        micro = [m for p in plans for m in p[t * accum:(t + 1) * accum]]
+        real = sorted(i for m in micro if m.samples for i in m.indices.tolist())
+        result.append((real, {m.step_samples for m in micro}))
+    return result
+
+
+def test_full_steps_are_torch_distributed_samplers_order():
+    """Where the data divides evenly, each rank trains what DistributedSampler gives it."""
     for rank in (0, 1):
-        torch_sampler = DistributedSampler(DATA, num_replicas=2, rank=rank, seed=7)
+        torch_sampler = DistributedSampler(range(48), num_replicas=2, rank=rank, seed=7)
         torch_sampler.set_epoch(3)
-        assert order(2, rank, 3, seed=7) == list(torch_sampler)
+        mine = torch.cat([m.indices for m in plan(48, 2, rank, 4, epoch=3, seed=7)]).tolist()
+        assert mine == list(torch_sampler)
 
 
-def test_start_skips_exactly_the_consumed_samples():
-    sampler = ResumableDistributedSampler(DATA, 2, 1, 0)
-    sampler.set_epoch(2)
-    full = list(sampler)
-    sampler.set_start(10)
-    assert list(sampler) == full[10:] and len(sampler) == len(full) - 10
+@pytest.mark.parametrize("n", [600, 601, 5, 33, 64])
+@pytest.mark.parametrize("world, batch, accum", [(1, 32, 1), (2, 16, 1), (2, 8, 2), (1, 16, 2), (3, 4, 3), (4, 8, 1)])
+def test_every_sample_trains_exactly_once_per_epoch_and_counts_are_exact(n, world, batch, accum):
+    """No padding, no duplicates, on any size; a step's count is what is really in it; every
+    rank runs the same number of micro-batches (stand-ins, weight 0, where it has nothing)."""
+    plans = [plan(n, world, r, batch, accum, epoch=1) for r in range(world)]
+    assert len({len(p) for p in plans}) == 1 and len(plans[0]) % accum == 0
+    trained = sorted(i for p in plans for m in p if m.samples for i in m.indices.tolist())
+    assert trained == list(range(n))
+    for real, counts in steps(n, world, batch, accum, epoch=1):
+        assert counts == {len(real)}
+    for p in plans:
+        for m in p:
+            assert m.samples == (len(m.indices) if m.samples else 0) and len(m.indices) <= batch
+    weights = sum(m.weight for p in plans for m in p[-accum:])
+    assert weights == pytest.approx(world)  # the ranks' weighted means average to the step's mean
 
 
-def test_global_batch_is_the_same_slice_for_any_world_size():
-    """Union of the ranks' t-th batches: same samples for 1, 2 or 4 ranks at global batch 8."""
-    data = TensorDataset(torch.zeros(64, 1))
-    def batches(world, epoch):
-        per_rank = [ResumableDistributedSampler(data, world, r, 0) for r in range(world)]
-        for s in per_rank:
-            s.set_epoch(epoch)
-        orders = [list(s) for s in per_rank]
-        b = 8 // world
-        return [sorted(sum((o[t * b:(t + 1) * b] for o in orders), [])) for t in range(8)]
+@pytest.mark.parametrize("n", [600, 601])
+def test_a_step_holds_the_same_samples_for_any_world_size_and_accumulation(n):
+    """Global batch 32 as 1 x 32, 2 x 16, 2 x 8 x 2, 1 x 16 x 2, 4 x 8: the same steps."""
+    reference = steps(n, 1, 32)
+    for world, batch, accum in [(2, 16, 1), (2, 8, 2), (1, 16, 2), (4, 8, 1), (4, 4, 2)]:
+        assert steps(n, world, batch, accum) == reference
+    assert len(reference) == -(-n // 32)
 
-    for epoch in (0, 1):
-        assert batches(1, epoch) == batches(2, epoch) == batches(4, epoch)
+
+def test_a_rank_with_nothing_in_the_last_step_gets_a_weightless_stand_in():
+    """5 samples, 4 ranks x 2 x accumulation 2: the short step has micro-batches of 3 and 2."""
+    for rank in range(4):
+        last = plan(5, 4, rank, 2, 2)[-2:]
+        for micro, size in zip(last, (3, 2)):
+            assert micro.step_samples == 5
+            assert micro.samples == (1 if rank < size else 0)
+            assert len(micro.indices) == 1
+        if rank >= 3:
+            assert all(m.weight == 0 for m in last)
+
+
+def test_start_skips_exactly_the_consumed_steps():
+    full = plan(601, 2, 1, 8, 2, epoch=2)
+    for start in (0, 5, 37, 38):
+        assert [m.indices.tolist() for m in plan(601, 2, 1, 8, 2, epoch=2, start=start)] == \
+            [m.indices.tolist() for m in full[start * 2:]]
 
 
 def test_fast_path_and_dataloader_give_identical_batches():
-    sampler = ResumableDistributedSampler(DATA, 2, 0, 0)
-    sampler.set_epoch(1)
-    fast = list(TrainBatches(DATA, sampler, 4, torch.device("cpu"), fast_path=True))
-    slow = list(TrainBatches(DATA, sampler, 4, torch.device("cpu"), fast_path=False))
-    assert len(fast) == len(slow) == steps_per_epoch(50, 2, 4) == 7
-    for a, b in zip(fast, slow):
+    sampler = StepSampler(50, 2, 0, 4, 1, 0)
+    fast_batches = TrainBatches(DATA, sampler, torch.device("cpu"), fast_path=True)
+    slow_batches = TrainBatches(DATA, sampler, torch.device("cpu"), fast_path=False)
+    fast_batches.set_epoch(1)
+    slow_batches.set_epoch(1)
+    fast, slow = list(fast_batches), list(slow_batches)
+    assert len(fast) == len(slow) == sampler.steps == 7
+    for (a, micro_a), (b, micro_b) in zip(fast, slow):
+        assert torch.equal(micro_a.indices, micro_b.indices) and micro_a.samples == micro_b.samples
         assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b))
 
 
@@ -127,8 +166,7 @@ class _Epochs(torch.utils.data.Dataset):
 
 def test_a_data_set_with_set_epoch_hears_each_epoch_even_in_workers():
     data = _Epochs()
-    sampler = ResumableDistributedSampler(data, 1, 0, 0)
-    batches = TrainBatches(data, sampler, 4, torch.device("cpu"), workers=2)
+    batches = TrainBatches(data, StepSampler(len(data), 1, 0, 4), torch.device("cpu"), workers=2)
     for epoch in (3, 4):
         batches.set_epoch(epoch)
-        assert {int(e) for batch in batches for e in batch[:, 1]} == {epoch}
+        assert {int(e) for batch, _ in batches for e in batch[:, 1]} == {epoch}

@@ -15,8 +15,10 @@ from ddptrain.metrics import evaluate
 from ddptrain.optim import build_scheduler, lr_factor
 from ddptrain.tasks.digits import accuracy, digits_task
 
-from conftest import fit, read_metrics
+from conftest import assert_same_weights, fit, load_model, read_metrics
 from ranks import run_on_ranks
+
+TASKS = "ddptrain_test_tasks:"
 
 
 def _digits_eval(rank, world, batch, workers=0, fast_path=None):
@@ -132,10 +134,11 @@ def test_report_command_prints_summary_and_redraws(digits_run, capsys):
 
 
 @pytest.mark.slow
-def test_zero_epochs_evaluates_the_initial_model(tmp_path):
+def test_zero_epochs_evaluates_the_initial_model(tmp_path, capfd):
     fit("digits", tmp_path, max_epochs=0)
     (record,) = read_metrics(tmp_path)
-    assert record["kind"] == "eval" and record["eval_accuracy"] < 0.3
+    assert record["kind"] == "eval" and record["eval_accuracy"] < 0.3 and record["epoch"] == 0
+    assert "before training | step 0 | eval_loss" in capfd.readouterr().out
     assert (tmp_path / "model.pt").exists() and not (tmp_path / "snapshots").exists()
 
 
@@ -144,3 +147,32 @@ def test_progress_bar_when_asked(tmp_path, capfd):
     assert main(["train", "--nproc", "2", "--max-epochs", "1", "--progress", "--run-dir", str(tmp_path)]) == 0
     err = capfd.readouterr().err
     assert "epoch 0:" in err and "/32 [" in err and "step/s" in err
+
+
+def _single_process_eval_loss(run_dir) -> float:
+    """What model.pt scores in this process, with nothing from ddptrain but the task."""
+    import ddptrain_test_tasks
+
+    task = ddptrain_test_tasks.batchnorm(RunConfig())
+    task.model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
+    task.model.eval()
+    inputs, targets = task.eval_set.tensors
+    with torch.no_grad():
+        return F.mse_loss(task.model(inputs), targets).item()
+
+
+@pytest.mark.slow
+def test_batchnorm_buffers_follow_rank_0_so_the_reported_evaluation_is_model_pts(tmp_path):
+    """Each rank's running statistics see only its own batches; every rank evaluates, saves and
+    snapshots rank 0's. Under DDP and FSDP alike, and an FSDP run stopped after epoch 1 and
+    resumed to 3 ends bitwise where the uninterrupted run does, running statistics included."""
+    options = {"batch_size": 16, "max_epochs": 3}
+    for strategy in ("ddp", "fsdp"):
+        fit(TASKS + "batchnorm", tmp_path / strategy, strategy=strategy, **options)
+        reported = read_metrics(tmp_path / strategy)[-1]["eval_loss"]
+        assert reported == pytest.approx(_single_process_eval_loss(tmp_path / strategy), rel=1e-6)
+    ddp, fsdp = load_model(tmp_path / "ddp"), load_model(tmp_path / "fsdp")
+    assert_same_weights(fsdp, ddp)
+    fit(TASKS + "batchnorm", tmp_path / "resumed", strategy="fsdp", **{**options, "max_epochs": 1})
+    fit(TASKS + "batchnorm", tmp_path / "resumed", strategy="fsdp", **options)
+    assert_same_weights(load_model(tmp_path / "resumed"), fsdp, exact=True)

@@ -10,7 +10,7 @@ import torch
 from ddptrain import TrainingFailed
 from ddptrain import snapshot_files as files
 from ddptrain.cli import main
-from ddptrain.data import ResumableDistributedSampler
+from ddptrain.data import StepSampler
 from ddptrain.failures import RankError, root_cause
 from ddptrain.tasks.regression import regression_data
 
@@ -93,11 +93,10 @@ def _nan_step() -> tuple[int, int]:
     """(rank, step) where sample 100 is trained on in epoch 0: 2 ranks, batch 32, seed 0."""
     data = regression_data(0)
     for rank in (0, 1):
-        sampler = ResumableDistributedSampler(data, 2, rank, 0)
-        sampler.set_epoch(0)
-        order = list(sampler)
-        if 100 in order:
-            return rank, order.index(100) // 32 + 1
+        sampler = StepSampler(len(data), 2, rank, 32)
+        for step, micro in enumerate(sampler.micro_batches()):
+            if 100 in micro.indices.tolist():
+                return rank, step + 1
     raise AssertionError("sample 100 is in no shard")
 
 

@@ -67,3 +67,22 @@ def test_a_dataset_of_dicts_with_collate_fn_and_workers_resumes_bitwise(tmp_path
         fit(TASKS + "kill_cnn", tmp_path / "run", env=env, **args)
     fit(TASKS + "kill_cnn", tmp_path / "run", env=env, **args)
     assert_same_weights(load_model(tmp_path / "run"), load_model(tmp_path / "straight"), exact=True)
+
+
+def _gpt2_lines_weights(run_dir, env=None, **options):
+    fit(TASKS + "gpt2_lines", run_dir, env=env, max_epochs=1, optimizer="sgd", lr=0.1, save_seconds=0, **options)
+    return load_model(run_dir)
+
+
+@pytest.mark.slow
+def test_a_token_averaged_loss_with_padding_is_exact_on_any_number_of_ranks(tmp_path):
+    """Lines of different lengths, padded; step_fn returns (token loss sum, token count): 2 ranks
+    x 4 lines train as 1 x 8. The per-batch mean it replaces weighs short lines more: it is not."""
+    one = _gpt2_lines_weights(tmp_path / "one", nproc=1, batch_size=8)
+    assert_same_weights(_gpt2_lines_weights(tmp_path / "two", batch_size=4), one)
+    means = {"MEAN_PER_BATCH": "1"}
+    one_mean = _gpt2_lines_weights(tmp_path / "one_mean", means, nproc=1, batch_size=8)
+    two_mean = _gpt2_lines_weights(tmp_path / "two_mean", means, batch_size=4)
+    assert max((one_mean[k] - two_mean[k]).abs().max().item() for k in one_mean) > 1e-3
+    records = read_metrics(tmp_path / "two")
+    assert records[-1]["samples"] == 48 and records[-1]["eval_samples"] > 48  # eval divides by tokens

@@ -84,8 +84,9 @@ def test_torchrun_max_restarts_is_bitwise_exact(tmp_path, uninterrupted):
 def killed_run(tmp_path_factory):
     """A 2-rank run SIGKILLed at step 21 without restarts: the job fails, snapshots remain."""
     base = tmp_path_factory.mktemp("killed")
-    with pytest.raises(TrainingFailed, match="rank 0 was killed by SIGKILL"):
+    with pytest.raises(TrainingFailed, match="rank 0 was killed by SIGKILL") as failure:
         fit(TASKS + "kill_at_step", base / "run", env=_kill_env(base, 0, 21), **ARGS)
+    assert f"error reports in {base / 'run' / 'logs'}/" in str(failure.value)  # where the logs are, not "."
     kept = [p.name for p in files.list_snapshots(base / "run" / "snapshots")]
     # --keep 2; step 20's write runs in the background: the kill may come before its commit,
     # or after the commit and before the rotation that follows it (seen once in a fresh clone)
@@ -227,3 +228,38 @@ def test_a_run_killed_without_run_dir_resumes_with_the_same_command(tmp_path, st
     straight = next((tmp_path / "straight" / "runs").iterdir())
     assert straight.name == run_dir.name
     assert_same_weights(load_model(run_dir), load_model(straight), exact=True)
+
+
+# 32 samples, 2 ranks x 16: every step is its epoch's last (a snapshot by any trigger lands there).
+ONE_STEP_EPOCHS = {"UNEVEN_SAMPLES": "32"}
+ONE_STEP = {"batch_size": 16, "momentum": 0.9, "save_seconds": 0}
+
+
+@pytest.mark.slow
+def test_a_snapshot_at_an_epochs_last_step_resumes_after_sigkill_longer_and_on_another_world_size(tmp_path):
+    """Version 0.2 saved such a snapshot before the epoch's end and could not resume it
+    (``__len__() should return >= 0``). Now it resumes at the next epoch's start."""
+    fit(TASKS + "uneven", tmp_path / "eight", env=ONE_STEP_EPOCHS, max_epochs=8, **ONE_STEP)
+    fit(TASKS + "uneven", tmp_path / "twelve", env=ONE_STEP_EPOCHS, max_epochs=12, **ONE_STEP)
+    run_dir = tmp_path / "run"
+    env = {**ONE_STEP_EPOCHS, **_kill_env(tmp_path, 1, 5)}
+    fit(TASKS + "kill_uneven", run_dir, env=env, max_epochs=8, max_restarts=1, **{**ONE_STEP, "save_every": 1})
+    assert (tmp_path / "killed").exists()
+    assert_same_weights(load_model(run_dir), load_model(tmp_path / "eight"), exact=True)
+    shutil.copytree(run_dir, tmp_path / "one_rank")
+    fit(TASKS + "kill_uneven", run_dir, env=ONE_STEP_EPOCHS, max_epochs=12, **ONE_STEP)  # to train longer
+    assert_same_weights(load_model(run_dir), load_model(tmp_path / "twelve"), exact=True)
+    assert [r["epoch"] for r in read_metrics(run_dir)] == list(range(12))  # each epoch once
+    fit(TASKS + "kill_uneven", tmp_path / "one_rank", env=ONE_STEP_EPOCHS, nproc=1, max_epochs=12, **ONE_STEP)
+    assert_same_weights(load_model(tmp_path / "one_rank"), load_model(tmp_path / "twelve"))
+
+
+@pytest.mark.slow
+def test_a_time_based_snapshot_at_an_epochs_last_step_resumes_after_sigkill(tmp_path, capfd):
+    fit(TASKS + "uneven", tmp_path / "straight", env=ONE_STEP_EPOCHS, max_epochs=300, **ONE_STEP)
+    env = {**ONE_STEP_EPOCHS, **_kill_env(tmp_path, 0, 250)}
+    fit(TASKS + "kill_uneven", tmp_path / "run", env=env, max_epochs=300, max_restarts=1,
+        **{**ONE_STEP, "save_seconds": 0.001})
+    assert (tmp_path / "killed").exists()
+    assert f"resumed from {tmp_path / 'run'}/snapshots/step-" in capfd.readouterr().out
+    assert_same_weights(load_model(tmp_path / "run"), load_model(tmp_path / "straight"), exact=True)

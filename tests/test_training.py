@@ -95,3 +95,27 @@ def test_dataloader_path_gives_bitwise_the_fast_path_weights(tmp_path, workers):
     fit("regression", tmp_path / "fast", max_epochs=2)
     fit(TASKS + "regression_via_dataloader", tmp_path / "loader", max_epochs=2, workers=workers)
     assert_same_weights(load_model(tmp_path / "loader"), load_model(tmp_path / "fast"), exact=True)
+
+
+UNEVEN = [  # (ranks, batch per rank, accumulation, strategy): each one global batch of 32
+    (2, 16, 1, "ddp"), (2, 8, 2, "ddp"), (2, 8, 2, "fsdp"), (1, 16, 2, "ddp"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("samples", [600, 601])
+def test_data_that_does_not_divide_evenly_trains_as_one_large_batch(tmp_path, samples):
+    """600 samples: the epoch's last global batch has 24; 601: the ranks' shares differ too
+    (DistributedSampler would pad one with a duplicate). Every layout of a global batch of 32
+    ends where one process with batch 32 ends, and each epoch counts every sample once."""
+    env = {"UNEVEN_SAMPLES": str(samples)}
+    common = {"max_epochs": 2, "save_seconds": 0}
+    fit(TASKS + "uneven", tmp_path / "one", env=env, nproc=1, batch_size=32, **common)
+    reference = load_model(tmp_path / "one")
+    for nproc, batch, accum, strategy in UNEVEN:
+        run_dir = tmp_path / f"{nproc}x{batch}x{accum}-{strategy}"
+        fit(TASKS + "uneven", run_dir, env=env, nproc=nproc, batch_size=batch, grad_accum=accum,
+            strategy=strategy, **common)
+        assert_same_weights(load_model(run_dir), reference)
+        assert [r["samples"] for r in read_metrics(run_dir)] == [samples, samples]
+        assert [r["step"] for r in read_metrics(run_dir)] == [19, 38]  # ceil(samples / 32) steps per epoch

@@ -20,6 +20,7 @@ from .config import (
     make_run_dir,
     parse_nproc,
     read_settings_file,
+    setting_name,
     validate,
 )
 
@@ -43,6 +44,7 @@ def prepare(task: str | TaskFactory | None, options: Mapping[str, Any],
     if config_file:
         settings = read_settings_file(config_file)
         from_options(settings, where=f"--config {config_file}:")  # its mistakes name the file
+        settings = {setting_name(key): value for key, value in settings.items()}  # flags below win
     settings.update(options)
     factory = None
     if callable(task):
@@ -80,12 +82,17 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
         from .worker import run_rank
         return run_rank(cfg, factory, local_rank_arg)
     from .dist import check_comm_hook, resolve_device_kind
-    from .launch import auto_nproc, launch_local
+    from .hold import RunDirHold
+    from .launch import auto_nproc, launch_local, new_job_id
 
     nproc = parse_nproc(cfg.nproc) or auto_nproc(cfg.device)
     device_kind, backend = resolve_device_kind(cfg.device, cfg.backend, nproc)
     check_comm_hook(cfg.comm_hook, backend)
-    return launch_local(cfg, nproc, device_kind, factory)
+    hold = RunDirHold(cfg.run_dir, new_job_id()).acquire()  # type: ignore[arg-type]
+    try:
+        return launch_local(cfg, nproc, device_kind, factory)
+    finally:
+        hold.release()
 
 
 def fit(task: str | TaskFactory, *, config: str | None = None, **options: Any) -> dict[str, Any]:
@@ -115,7 +122,9 @@ def fit(task: str | TaskFactory, *, config: str | None = None, **options: Any) -
     if status == "preempted":
         raise Stopped(message)
     if status == "already_finished":
-        print(f"ddptrain: {message}", flush=True)
+        from .report import say
+
+        say(f"ddptrain: {message}")
     return summary_of(cfg)
 
 

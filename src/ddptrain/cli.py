@@ -94,7 +94,9 @@ def train(args: argparse.Namespace) -> int:
     try:
         return exit_for(execute(cfg, factory), is_main=True)
     except LaunchFailed as failure:
-        print(str(failure), file=sys.stderr, flush=True)
+        from .report import say
+
+        say(str(failure), sys.stderr)
         return failure.exit_code
 
 

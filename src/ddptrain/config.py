@@ -47,7 +47,7 @@ GLOBAL_DEFAULTS: dict[str, Any] = {
 # resumed as if nothing happened (checkpointer.py compares them).
 MATH_FIELDS = ("task", "seed", "lr", "optimizer", "momentum", "weight_decay", "lr_schedule",
                "warmup_steps", "max_epochs", "global_batch", "grad_accum", "precision",
-               "clip_grad")
+               "clip_grad", "sync_batchnorm")
 
 # Settings that do not define *which* run this is: changing them keeps the default run dir,
 # so the same command (or the same command with more epochs) finds its run again.
@@ -125,6 +125,9 @@ class RunConfig:
                                        default=None)
     find_unused_parameters: bool = _opt("ddp: handle parameters that get no gradient "
                                         "(slower; only for models that need it)", default=False)
+    sync_batchnorm: bool = _opt("BatchNorm layers normalise with the whole global batch's statistics "
+                                "(torch's SyncBatchNorm, GPUs only); plain BatchNorm normalises each "
+                                "rank's batch", default=False)
 
     # --- evaluation and reporting -------------------------------------------------------
     eval_every: int = _opt("evaluate every N epochs (and at the end) when the task has an "
@@ -158,6 +161,8 @@ class RunConfig:
         values["global_batch"] = self.batch_size * world_size * self.grad_accum
         if self.lr_schedule == "constant" and self.warmup_steps == 0:
             del values["max_epochs"]  # more epochs only extend a constant schedule
+        if not self.sync_batchnorm:
+            del values["sync_batchnorm"]  # snapshots from before the setting existed match
         return values
 
     def identity(self) -> dict[str, Any]:
@@ -210,16 +215,24 @@ def coerce(name: str, value: Any, where: str) -> Any:
         raise ConfigError(f"{where} needs {_KIND_NAMES[kind]}, got {value!r}") from None
 
 
+def setting_name(key: str) -> str:
+    """A field's name from any spelling of it: ``--max-epochs``, ``max-epochs``, ``max_epochs``."""
+    return key.removeprefix("--").replace("-", "_")
+
+
 def from_options(options: Mapping[str, Any], where: str = "option") -> RunConfig:
     """A RunConfig from ``{field name or flag name: value}``; ConfigError for unknown names or bad values."""
-    values = {}
+    values, spelled = {}, {}
     for key, value in options.items():
-        name = key.removeprefix("--").replace("-", "_")
+        name = setting_name(key)
         if name not in FIELDS:
             close = [flag(n) for n in FIELDS if n.startswith(name[:4])][:3]
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ConfigError(f"{where} {key!r} is not a ddptrain setting{hint}; "
                               "`ddptrain train --help` lists them")
+        if name in spelled:
+            raise ConfigError(f"{where} {spelled[name]!r} and {key!r} are the same setting; keep one of them")
+        spelled[name] = key
         values[name] = coerce(name, value, f"{where} {key!r}")
     choices = {n: f.metadata["choices"] for n, f in FIELDS.items() if f.metadata["choices"]}
     for name, value in values.items():

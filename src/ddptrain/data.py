@@ -1,10 +1,20 @@
 """Which samples each rank sees, and how batches reach the device.
 
-Training uses torch's ``DistributedSampler`` (rank-strided split of one shuffled permutation
-per epoch), extended to start part-way through an epoch for exact resume. Because the split
-is rank-strided, the union of the ranks' t-th batches is the same slice of the epoch's
-permutation for any world size with the same global batch: resuming on another number of
-ranks keeps the global sample order.
+Training is exact on any data-set size: ``StepSampler`` shuffles the set once per epoch (the
+permutation torch's ``DistributedSampler`` draws: ``randperm`` seeded with seed + epoch) and
+optimizer step t trains on the permutation's slice ``[t*G, (t+1)*G)`` (G: the global batch,
+ranks x batch x accumulation), the last step on what is left. Every sample trains exactly once
+per epoch: no padding (DistributedSampler repeats samples to even out the ranks, pytorch
+issue 25162) and nothing dropped. A step's slice is cut into ``grad_accum`` consecutive
+micro-chunks as evenly as possible and rank r takes positions r, r+W, ... of each, so full
+steps are rank-strided exactly as DistributedSampler's, and the same global batch gives the
+same steps on any world size (resuming on another number of ranks keeps the sample order).
+
+Each micro-batch carries its sample counts (``MicroBatch``), known on every rank without
+communication: the Trainer weighs its loss by its share of the step, so a step's gradient is
+the mean over the samples really in it. A rank with no sample in a micro-batch (only in a
+short last step) gets one stand-in sample with weight 0: it still runs the forward and
+backward every rank runs, so collectives stay matched and nothing hangs.
 
 Evaluation cuts the set into the same consecutive batches for any world size; rank r takes
 batches r, r+W, ... (no padding, no duplicates), so its figures can be exact (metrics.py).
@@ -23,10 +33,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -46,25 +57,79 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     return batch
 
 
-class ResumableDistributedSampler(DistributedSampler):
-    """``DistributedSampler`` whose epoch can begin at this rank's ``start``-th sample."""
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of this rank: which samples, and its share of the optimizer step."""
 
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int,
-                 shuffle: bool = True) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
-                         seed=seed, drop_last=False)
-        self.start = 0
+    indices: torch.Tensor  # this rank's samples (one stand-in sample when it has none)
+    samples: int  # this rank's real samples in it (0: a stand-in, weight 0)
+    step_samples: int  # samples in the whole optimizer step, over every rank and micro-batch
+    world_size: int
 
-    def set_start(self, start: int) -> None:
-        """Skip this rank's first ``start`` samples of the current epoch (resume)."""
-        self.start = start
+    @property
+    def weight(self) -> float:
+        """What this micro-batch's mean loss is multiplied by so that the ranks' gradients,
+        averaged by DDP/FSDP over the world size, are the mean over the step's samples."""
+        return self.samples * self.world_size / self.step_samples
 
-    def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
-        return iter(indices[self.start:])
 
-    def __len__(self) -> int:
-        return self.num_samples - self.start
+class StepSampler:
+    """This rank's samples at every optimizer step of an epoch (see the module docstring)."""
+
+    def __init__(self, dataset_len: int, world_size: int, rank: int, batch_size: int, grad_accum: int = 1,
+                 seed: int = 0, shuffle: bool = True) -> None:
+        self.dataset_len, self.world_size, self.rank = dataset_len, world_size, rank
+        self.batch_size, self.grad_accum, self.seed, self.shuffle = batch_size, grad_accum, seed, shuffle
+        self.global_batch = world_size * batch_size * grad_accum
+        self.epoch = 0
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps per epoch (the last may be short)."""
+        return -(-self.dataset_len // self.global_batch)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def order(self) -> torch.Tensor:
+        """The epoch's permutation (DistributedSampler's, for the same seed and epoch)."""
+        if not self.shuffle:
+            return torch.arange(self.dataset_len)
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.dataset_len, generator=generator)
+
+    def step_samples(self, step: int) -> int:
+        """Samples in optimizer step ``step`` of an epoch, over every rank."""
+        return max(0, min(self.global_batch, self.dataset_len - step * self.global_batch))
+
+    def micro_batches(self, start_step: int = 0) -> list[MicroBatch]:
+        """This rank's micro-batches of the epoch from optimizer step ``start_step`` on:
+        ``grad_accum`` of them per step, on every rank."""
+        order, world, rank = self.order(), self.world_size, self.rank
+        full_steps = self.dataset_len // self.global_batch
+        result = []
+        if start_step < full_steps:  # one view: [micro-batch, position, rank]
+            full = order[start_step * self.global_batch:full_steps * self.global_batch]
+            rows = full.view(-1, self.batch_size, world)[:, :, rank]
+            result = [MicroBatch(row, self.batch_size, self.global_batch, world) for row in rows]
+        if full_steps < self.steps and start_step <= full_steps:
+            result += self._short_step(order[full_steps * self.global_batch:])
+        return result
+
+    def _short_step(self, rest: torch.Tensor) -> list[MicroBatch]:
+        """The last step's micro-batches: ``rest`` cut into grad_accum chunks as even as can be."""
+        total, parts = len(rest), self.grad_accum
+        sizes = [total // parts + (1 if k < total % parts else 0) for k in range(parts)]
+        batches, offset = [], 0
+        for size in sizes:
+            mine = rest[offset:offset + size][self.rank::self.world_size]
+            offset += size
+            if len(mine):
+                batches.append(MicroBatch(mine, len(mine), total, self.world_size))
+            else:  # nothing for this rank: a stand-in (the step's first sample) with weight 0
+                batches.append(MicroBatch(rest[:1], 0, total, self.world_size))
+        return batches
 
 
 def batch_size_of(batch: Any) -> int:
@@ -77,11 +142,6 @@ def batch_size_of(batch: Any) -> int:
         if size:
             return size
     return 0
-
-
-def steps_per_epoch(dataset_len: int, world_size: int, batch_size: int) -> int:
-    """Batches each rank runs per epoch (DistributedSampler pads ranks to equal length)."""
-    return math.ceil(math.ceil(dataset_len / world_size) / batch_size)
 
 
 def uses_fast_path(dataset: Dataset, collate_fn: Callable[..., Any] | None) -> bool:
@@ -118,36 +178,49 @@ class _Batches:
             yield to_device(batch, self.device, non_blocking)
 
 
-class TrainBatches(_Batches):
-    """Yields this rank's batches for one epoch, on the device, in the sampler's order."""
+class _PlannedBatches(Sampler[list[int]]):
+    """A batch sampler: the index lists of the epoch's planned micro-batches."""
 
-    def __init__(self, dataset: Dataset, sampler: ResumableDistributedSampler, batch_size: int,
-                 device: torch.device, workers: int = 0, collate_fn: Callable[..., Any] | None = None,
-                 fast_path: bool | None = None) -> None:
+    def __init__(self, owner: TrainBatches) -> None:
+        self.owner = owner
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (micro.indices.tolist() for micro in self.owner.plan)
+
+    def __len__(self) -> int:
+        return len(self.owner.plan)
+
+
+class TrainBatches(_Batches):
+    """Yields ``(batch, MicroBatch)`` for this rank's micro-batches of one epoch, on the device."""
+
+    def __init__(self, dataset: Dataset, sampler: StepSampler, device: torch.device, workers: int = 0,
+                 collate_fn: Callable[..., Any] | None = None, fast_path: bool | None = None) -> None:
         super().__init__(dataset, device, workers, collate_fn, fast_path)
-        self.sampler, self.batch_size = sampler, batch_size
+        self.sampler = sampler
+        self.plan: list[MicroBatch] = []
         if not self.fast_path:
             # A data set with set_epoch needs fresh workers each epoch to see the new epoch.
             persistent = workers > 0 and not hasattr(dataset, "set_epoch")
-            self.loader = self._loader(batch_size=batch_size, sampler=sampler, persistent_workers=persistent)
+            self.loader = self._loader(batch_sampler=_PlannedBatches(self), persistent_workers=persistent)
 
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """Shuffle for ``epoch`` (DistributedSampler's set_epoch) from this rank's ``start``-th
-        sample; a data set with its own ``set_epoch`` (epoch-dependent augmentation) hears it too."""
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """Shuffle for ``epoch`` and begin at optimizer step ``start_step`` (resume); a data set
+        with its own ``set_epoch`` (epoch-dependent augmentation) hears it too."""
         self.sampler.set_epoch(epoch)
-        self.sampler.set_start(start)
+        self.plan = self.sampler.micro_batches(start_step)
         self.generator.manual_seed(self.sampler.seed * 1_000_003 + epoch)  # workers' seeds: (seed, epoch)
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
 
     def __len__(self) -> int:
-        return math.ceil(len(self.sampler) / self.batch_size)
+        return len(self.plan)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[tuple[Any, MicroBatch]]:
         if self.fast_path:
-            order = torch.tensor(list(self.sampler), dtype=torch.long, device=self.device)
-            return self._gather(iter(order.split(self.batch_size)))
-        return self._moved(self.loader)
+            indices = (micro.indices.to(self.device) for micro in self.plan)
+            return zip(self._gather(indices), self.plan)
+        return zip(self._moved(self.loader), self.plan)
 
 
 def eval_batch_ranges(dataset_len: int, batch_size: int) -> list[range]:

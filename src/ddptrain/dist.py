@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from .environments import Environment, TorchrunEnvironment, detect
 # torch's own collective timeout is a backstop behind the watchdog, which acts at --timeout
 # and names the rank that did not arrive; torch's error would blame the rank that waited.
 BACKSTOP_EXTRA_S = 60.0
+SETTLE_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -166,11 +168,24 @@ def process_group(rank: int | None = None, world_size: int | None = None, *, dev
     try:
         with joined(env, device_kind, backend, timeout, store, watchdog) as ctx:
             yield ctx
+            settle_gloo()
     except BaseException as error:
         watchdog.report_failure(error)  # the other ranks stop now instead of at the timeout
         raise
     finally:
         watchdog.stop()
+
+
+def settle_gloo() -> None:
+    """Let gloo's worker threads drop the last collective's work before the script goes on to
+    exit. A gloo thread frees a finished work's tensors after the waiting rank has moved on, and
+    freeing a tensor that Python once held takes the GIL. DDP keeps the process group alive past
+    ``destroy_process_group`` (torch 2.13), so its threads are joined at interpreter exit, by a
+    main thread that holds the GIL: a thread still waiting for the GIL then deadlocks the exit
+    (seen under load with examples/ddp_gpus_torchrun.py). The barrier makes the last collective
+    one every rank has finished; the sleep releases the GIL while the threads let go of it."""
+    dist.barrier()
+    time.sleep(SETTLE_S)
 
 
 def apply_step_timeout(timeout_s: float) -> None:

@@ -145,7 +145,7 @@ def root_cause(errors: dict[int, RankError], killed: dict[int, str]) -> RankErro
 def failure_report(failure: Any, nproc: int, run_dir: Path) -> tuple[str, int]:
     """(what to print, exit status) for torch's ChildFailedError."""
     reported = next(iter(failure.failures.values()))
-    attempt_dir = Path(reported.error_file).parent.parent if reported.error_file else None
+    attempt_dir = _attempt_dir(reported.error_file, run_dir)
     errors = read_error_files(attempt_dir) if attempt_dir else {}
     killed = {rank: _signal_name(f.exitcode) for rank, f in failure.failures.items() if f.exitcode < 0}
     if any(e.kind in ("RankStuck", "PeerStuck") for e in errors.values()):
@@ -177,6 +177,15 @@ def failure_report(failure: Any, nproc: int, run_dir: Path) -> tuple[str, int]:
     if attempt_dir:
         lines.append(f"ddptrain: training failed; error reports in {attempt_dir}")
     return "\n".join(lines), 1
+
+
+def _attempt_dir(error_file: str | None, run_dir: Path) -> Path | None:
+    """The folder of the failed attempt's per-rank logs and error files (LOGS/RUN_ID/attempt_N):
+    from the failed rank's error file, else the newest attempt under the run dir's logs."""
+    if error_file and Path(error_file).parent.parent.name.startswith("attempt_"):
+        return Path(error_file).parent.parent
+    attempts = sorted((run_dir / "logs").glob("*/attempt_*"), key=lambda p: p.stat().st_mtime)
+    return attempts[-1] if attempts else None
 
 
 def _hang_report(errors: dict[int, RankError], run_dir: Path) -> str:

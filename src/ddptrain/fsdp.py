@@ -24,7 +24,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from .config import RunConfig
 from .dist import DistContext
-from .strategy import DDPStrategy, _no_blocks_error, checkpoint_blocks, find_blocks
+from .report import say
+from .strategy import DDPStrategy, checkpoint_blocks, find_blocks, no_blocks_error
 from .tasks.protocol import Task
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,10 +65,15 @@ class FSDPStrategy(DDPStrategy):
 
     def wrap(self, module: torch.nn.Module, task: Task) -> torch.nn.Module:
         module.to(self.ctx.device)
+        self.shares_buffers = self.ctx.world_size > 1 and any(True for _ in module.buffers())
         blocks = find_blocks(module, task)
-        if not blocks:
-            raise _no_blocks_error("--strategy fsdp")
+        if not blocks and self.ctx.is_main:  # the root alone: correct, but gathered whole in every forward
+            say("ddptrain: --strategy fsdp: the model has no ModuleList or Sequential with parameters, so it is "
+                "sharded as one unit (gathered whole for each forward); name its blocks with Task.blocks to "
+                "gather one at a time")
         if self.cfg.activation_checkpointing:
+            if not blocks:
+                raise no_blocks_error("--activation-checkpointing")
             checkpoint_blocks(module, blocks)
             blocks = find_blocks(module, task) if task.blocks is None else blocks
         dtype = DTYPES.get(self.cfg.precision)

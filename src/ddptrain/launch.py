@@ -99,6 +99,11 @@ def launcher_scope(**variables: str) -> Iterator[None]:
             logger.setLevel(levels[name])
 
 
+def new_job_id() -> str:
+    """The name of a job ddptrain launches here (hold.job_id): host, process, and a nonce."""
+    return f"local-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
 def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFactory | None) -> Outcome:
     """Run ``nproc`` ranks on this machine; rank 0's outcome, or LaunchFailed / ConfigError."""
     env = LocalEnvironment()
@@ -113,14 +118,16 @@ def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFact
         max_restarts=cfg.max_restarts, monitor_interval=0.1, start_method=start_method(device_kind),
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")),
     )
-    if config.start_method == "fork":
-        # DDP's constructor imports torch._dynamo (~1.5 s); done once here, forked ranks share it.
-        import torch._dynamo  # noqa: F401
     # A restarted rank must not reuse the previous attempt's store (gloo connectFullMesh
     # failures or hangs, pytorch/pytorch#135712); the restart tests here pass with it.
-    scope = launcher_scope(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", DDPTRAIN_LOCAL_LAUNCH="1")
+    scope = launcher_scope(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", DDPTRAIN_LOCAL_LAUNCH="1",
+                           DDPTRAIN_LAUNCHER_PID=str(os.getpid()))
     try:
         with scope:
+            if config.start_method == "fork":
+                # DDP's constructor imports torch._dynamo (~1.5 s); done once here, forked ranks share
+                # it. Inside the scope: the import sets TORCHINDUCTOR_CACHE_DIR, which goes with it.
+                import torch._dynamo  # noqa: F401
             outcomes = elastic_launch(config, rank_entry)(cfg, factory)
     except ChildFailedError as failure:
         report, code = failure_report(failure, nproc, run_dir)

@@ -18,8 +18,21 @@ def say(text: str, file: Any = None) -> None:
     PYTHONUNBUFFERED ``print`` writes the text and its newline separately, so two ranks
     printing at once could splice their lines."""
     file = file or sys.stdout
-    file.write(text + "\n")
-    file.flush()
+    try:
+        file.write(text + "\n")
+        file.flush()
+    except BrokenPipeError:  # the reader is gone (`ddptrain train | head`): training goes on, unseen
+        drop_console(file)
+
+
+def drop_console(stream: Any) -> None:
+    """Send what this process prints to ``stream`` (sys.stdout or sys.stderr) nowhere from now on."""
+    import os
+
+    sink = open(os.devnull, "w")  # lives as long as the process
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is stream:
+            setattr(sys, name, sink)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -133,7 +146,8 @@ class NullReporter(Reporter):
 
 def console_line(record: dict[str, Any]) -> str:
     """``epoch 3 | step 128 | train_loss 1.962 | lr 0.001 | 13,930 samples/s | 0.15 s``."""
-    parts = [f"epoch {record['epoch']}", f"step {record['step']}"]
+    first = "before training" if record.get("kind") == "eval" and not record["step"] else f"epoch {record['epoch']}"
+    parts = [first, f"step {record['step']}"]
     for key, value in record.items():
         if key == "train_loss" or key == "lr" or (key.startswith("eval_") and key != "eval_samples"):
             parts.append(f"{key} {_fmt(value)}")
@@ -154,8 +168,8 @@ def _tensorboard_writer(run_dir: Path) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        print("--tensorboard: the tensorboard package is not installed "
-              "(pip install 'ddptrain[tensorboard]'); continuing without it", flush=True)
+        say("--tensorboard: the tensorboard package is not installed "
+            "(pip install 'ddptrain[tensorboard]'); continuing without it")
         return None
     return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 

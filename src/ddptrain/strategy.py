@@ -11,9 +11,12 @@ Both can recompute activations in backward (``--activation-checkpointing``) and 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -42,7 +45,26 @@ def checkpoint_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> 
     apply_activation_checkpointing(model, check_fn=lambda m: id(m) in wanted)
 
 
-def _no_blocks_error(what: str) -> ConfigError:
+@contextlib.contextmanager
+def kept_buffers(module: torch.nn.Module) -> Iterator[None]:
+    """Buffers as they were before the block: a stand-in sample (weight 0, see data.py) trains
+    nothing and must not move BatchNorm's running statistics either."""
+    saved = [b.detach().clone() for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(module.buffers(), saved):
+                buffer.copy_(value)
+
+
+def convert_sync_batchnorm(module: torch.nn.Module) -> torch.nn.Module:
+    """``--sync-batchnorm``: BatchNorm layers normalise with the statistics of the global batch
+    (torch's SyncBatchNorm, which runs on GPUs only: config.py refuses it on CPU)."""
+    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+
+
+def no_blocks_error(what: str) -> ConfigError:
     return ConfigError(f"{what} needs blocks: the model has no ModuleList or Sequential with parameters; "
                        "name them with Task.blocks = lambda model: [...]")
 
@@ -55,14 +77,17 @@ class DDPStrategy:
         self.cfg, self.ctx = cfg, ctx
         self.forward_syncs = False  # whether the forward pass itself holds a collective
         self.autocast = True  # --precision is autocast (fsdp: a mixed-precision policy instead)
+        self.shares_buffers = False  # the model has buffers and other ranks to share them with
+        self.needs_every_gradient = False  # DDP fails a step when a parameter got no gradient
 
     def wrap(self, module: torch.nn.Module, task: Task) -> torch.nn.Module:
         """DDP across ranks. One rank has nobody to talk to: DDP would only add its overhead."""
         module.to(self.ctx.device)
+        self.shares_buffers = self.ctx.world_size > 1 and any(True for _ in module.buffers())
         if self.cfg.activation_checkpointing:
             blocks = find_blocks(module, task)
             if not blocks:
-                raise _no_blocks_error("--activation-checkpointing")
+                raise no_blocks_error("--activation-checkpointing")
             checkpoint_blocks(module, blocks)
         model = torch.compile(module) if self.cfg.compile else module
         if self.ctx.world_size == 1:
@@ -71,15 +96,28 @@ class DDPStrategy:
             model,
             device_ids=[self.ctx.device] if self.ctx.device.type == "cuda" else None,
             gradient_as_bucket_view=True,
+            forward_sync_buffers=False,  # the Trainer shares rank 0's buffers once per step (broadcast_buffers)
             static_graph=self.cfg.static_graph,
             find_unused_parameters=self.cfg.find_unused_parameters,
             **({"bucket_cap_mb": self.cfg.bucket_cap_mb} if self.cfg.bucket_cap_mb else {}),
         )
         register_comm_hook(ddp, self.cfg.comm_hook)
-        # DDP broadcasts rank 0's buffers (BatchNorm statistics) at every forward: a collective
-        # the watchdog must see. The inner module's pre-hook runs right after it.
-        self.forward_syncs = ddp.broadcast_buffers and any(True for _ in module.buffers())
+        self.needs_every_gradient = not (self.cfg.find_unused_parameters or self.cfg.static_graph)
         return ddp
+
+    def broadcast_buffers(self, module: torch.nn.Module) -> None:
+        """Rank 0's buffers to every rank: one broadcast per dtype. (What DDP's own
+        ``broadcast_buffers`` does at each synchronising forward; FSDP shares none.)"""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for buffer in module.buffers():
+            by_dtype.setdefault(buffer.dtype, []).append(buffer)
+        with torch.no_grad():
+            for buffers in by_dtype.values():
+                flat = _flatten_dense_tensors(buffers)
+                dist.broadcast(flat, src=0)
+                if not self.ctx.is_main:
+                    for buffer, value in zip(buffers, _unflatten_dense_tensors(flat, buffers)):
+                        buffer.copy_(value)
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         """Accumulation micro-batches before the last: gradients stay local (DDP's no_sync)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from .checkpointer import Checkpointer, Snapshot, adapt_batch
-from .config import RunConfig, default_run_dir
-from .data import EvalBatches, ResumableDistributedSampler, TrainBatches, batch_size_of, steps_per_epoch
+from .config import ConfigError, RunConfig, default_run_dir
+from .data import EvalBatches, MicroBatch, StepSampler, TrainBatches
 from .dist import DistContext, apply_step_timeout
 from .guard import NonFiniteGuard, local_all_finite
 from .metrics import EpochLosses, RankTimings, evaluate, memory_record, model_state_mb, peak_rss_mb, timing_record
@@ -30,14 +30,22 @@ from .optim import build_optimizer, build_scheduler
 from .preemption import StopSignal
 from .report import NullReporter, Reporter, say
 from .snapshot_files import atomic_save, restore_rng
-from .strategy import make_strategy
-from .tasks.protocol import Task, check_loss, check_pair, check_task
+from .strategy import convert_sync_batchnorm, kept_buffers, make_strategy
+from .tasks.protocol import Task, check_pair, check_task, split_loss
 from .watchdog import NullWatchdog
 
 LOSS_DISPLAY_EVERY = 20  # steps between progress-bar loss reads (each read syncs the device)
 GRADIENT_SYNC = "the gradient all-reduce"
 PER_RANK = 5  # figures every rank reports at an epoch's end: 3 timings (metrics.TIMING_NAMES), 2 memory
-FORWARD_SYNC = "the forward pass's collective (DDP's buffer broadcast, FSDP's parameter all-gather)"
+FORWARD_SYNC = "the forward pass's collective (FSDP's parameter all-gather)"
+BUFFER_SYNC = "the broadcast of rank 0's buffers (BatchNorm's running statistics)"
+COUNT_SYNC = "summing the step's loss counts over the ranks (step_fn returned (sum, count))"
+
+
+def _unused_error(names: list[str], when: str) -> ConfigError:
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return ConfigError(f"parameter(s) {shown} got no gradient {when}; use them in the loss, set "
+                       "requires_grad=False on them, or pass --find-unused-parameters")
 
 
 @dataclass
@@ -59,6 +67,11 @@ class Trainer:
         self.watchdog = ctx.watchdog or NullWatchdog()
         self.strategy = make_strategy(cfg, ctx)
         self.module = task.model  # unwrapped: state_dict, evaluation, model.pt
+        if cfg.sync_batchnorm:
+            if self.device.type != "cuda":
+                raise ConfigError("--sync-batchnorm needs CUDA GPUs (torch's SyncBatchNorm runs on GPUs only); "
+                                  "drop it on CPU, where each rank's BatchNorm normalises its own batch")
+            self.module = convert_sync_batchnorm(task.model)
         self.watchdog.arrive("start-up: wrapping the model (rank 0's weights reach every rank)")
         self.model = self.strategy.wrap(self.module, task)
         # Small control messages (stop flags, RNG states) travel on CPU: gloo even on NCCL jobs.
@@ -78,6 +91,8 @@ class Trainer:
         self.first_step_at: float | None = None  # wall clock of the first step (start-up benchmarks)
         self.first_step_reported = False
         self.loss_checked = False
+        self.first_step_unchecked = True  # parameters without a gradient are named after step 1
+        self.loss_sums = (0.0, 0)  # the epoch's loss so far over every rank, at the last snapshot
 
     def _use_config(self, cfg: RunConfig) -> None:
         """A new (never mutated) config for the rest of the run, shared with the checkpointer."""
@@ -118,13 +133,13 @@ class Trainer:
                 return "already_finished"
             where = f"epoch {self.progress.epoch}, step {self.progress.global_step}"
             self.reporter.info(f"resumed from {start.path}: {where}")
-        self.reporter.begin(self.cfg, resumed_step=self.progress.global_step if start else None)
+        self.reporter.begin(self.cfg, resumed_step=self._metrics_kept_through(start))
         if start is None:
             self.reporter.info(f"training {self.cfg.task} on {self.ctx.world_size} rank(s), "
                                f"{self.device.type}/{self.ctx.backend}, global batch {self.global_batch}, "
                                f"{self.steps_per_epoch} steps per epoch")
-        if self.cfg.max_epochs == 0:
-            self.reporter.log({"kind": "eval", "epoch": -1, "step": self.progress.global_step, **self._evaluation()})
+        if self.cfg.max_epochs == 0:  # the initial model's evaluation, before epoch 0
+            self.reporter.log({"kind": "eval", "epoch": 0, "step": self.progress.global_step, **self._evaluation()})
         while self.progress.epoch < self.cfg.max_epochs:
             if self._run_epoch(self.progress.epoch) == "preempted":
                 self._save()
@@ -134,20 +149,23 @@ class Trainer:
         return "finished"
 
     def _run_epoch(self, epoch: int) -> str:
-        """One pass over this rank's shard: ``"done"``, or ``"preempted"`` after a stop signal."""
-        self.batches.set_epoch(epoch, start=self.progress.step_in_epoch * self.cfg.grad_accum * self.cfg.batch_size)
+        """One pass over this rank's shard: ``"done"``, or ``"preempted"`` after a stop signal.
+        A snapshot or a stop due at the epoch's last step waits for the epoch's record, so a
+        snapshot at an epoch's end always resumes at the next epoch's start."""
+        self.batches.set_epoch(epoch, start_step=self.progress.step_in_epoch)
         if self.cfg.log_ranks:  # the tutorial's per-rank line (Steps: optimizer steps)
             say(f"{self.ctx.tag} Epoch:{epoch}|Batchsize:{self.cfg.batch_size}|Steps:{self.steps_per_epoch}")
         self.reporter.epoch_started(epoch, self.steps_per_epoch, self.progress.step_in_epoch)
         started, samples = time.perf_counter(), 0
         micro_batches = iter(self.batches)
+        save = stop = False
         while self.progress.step_in_epoch < self.steps_per_epoch:
             fetching = time.perf_counter()
             group = list(itertools.islice(micro_batches, self.cfg.grad_accum))
             stepping = time.perf_counter()
             loss = self._run_batch(group)
             self.timings.add_step(stepping - fetching, time.perf_counter() - stepping)
-            samples += sum(batch_size_of(b) for b in group)
+            samples += group[0][1].step_samples
             self.progress.step_in_epoch += 1
             self.progress.global_step += 1
             if loss is None:  # skipped: not finite (--skip-nonfinite)
@@ -155,31 +173,48 @@ class Trainer:
             else:
                 self.losses.add(loss)
             self.first_step_at = self.first_step_at or time.time()
-            self.reporter.step_done(loss if self.progress.global_step % LOSS_DISPLAY_EVERY == 0 else None)
+            shown = loss is not None and self.progress.global_step % LOSS_DISPLAY_EVERY == 0
+            self.reporter.step_done(loss * self.ctx.world_size if shown else None)  # rank 0's own mean loss
             decision = self.stop_signal.check()
-            if decision.stop:
-                self.reporter.epoch_finished()
-                return "preempted"
-            if decision.snapshot or self.checkpointer.due_by_steps(self.progress.global_step):
+            stop = decision.stop
+            save = decision.snapshot or self.checkpointer.due_by_steps(self.progress.global_step)
+            if stop:
+                break
+            if save and self.progress.step_in_epoch < self.steps_per_epoch:
                 self._save()
+                save = False
         self.reporter.epoch_finished()
-        self._end_epoch(epoch, time.perf_counter() - started, samples * self.ctx.world_size)
-        return "done"
+        if self.progress.step_in_epoch == self.steps_per_epoch:
+            self._end_epoch(epoch, time.perf_counter() - started, samples)
+            if save and not stop:
+                self._save()
+        return "preempted" if stop else "done"
 
-    def _run_batch(self, group: list[Any]) -> torch.Tensor | None:
-        """One optimizer step over ``group`` (``--grad-accum`` micro-batches). Returns the
-        loss, or None when the step was skipped as not finite."""
+    def _run_batch(self, group: list[tuple[Any, MicroBatch]]) -> torch.Tensor | None:
+        """One optimizer step over ``group`` (``--grad-accum`` micro-batches). Returns this
+        rank's part of the step's mean loss (the ranks' parts add up to it), or None when the
+        step was skipped as not finite.
+
+        Each micro-batch's mean loss is weighted by its share of the step's samples
+        (``MicroBatch.weight``), so the gradient is the mean over the samples really in the
+        step, however short the epoch's last step is. A loss returned as ``(sum, count)`` is
+        divided by the step's count over every rank instead (``_divide_by_count``)."""
         self.optimizer.zero_grad(set_to_none=True)
-        total = None
-        for i, batch in enumerate(group):
+        self._share_buffers(self.progress.global_step + 1)
+        total, count = None, None
+        for i, (batch, micro) in enumerate(group):
             last = i == len(group) - 1
             sync = contextlib.nullcontext() if last else self.strategy.no_sync(self.model)  # one sync per step
-            with sync, self._autocast():
+            kept = contextlib.nullcontext() if micro.samples else kept_buffers(self.module)  # a stand-in
+            with sync, kept, self._autocast():
                 if self.strategy.forward_syncs:
                     self.watchdog.arrive(FORWARD_SYNC, self.progress.global_step + 1)
-                loss = self._loss(batch)
-                if len(group) > 1:
-                    loss = loss / len(group)  # the mean over the whole group's samples
+                loss, units = self._loss(batch)
+                if units is None:  # a mean over the micro-batch's samples
+                    loss = loss if micro.weight == 1.0 else loss * micro.weight
+                else:  # a sum over `units` (tokens, say): divided once the step's count is known
+                    loss, units = (loss, units) if micro.samples else (loss * 0.0, 0)
+                    count = units if count is None else count + units
             if last:
                 self.watchdog.arrive(GRADIENT_SYNC, self.progress.global_step + 1, timed=False)
             self.scaler.scale(loss).backward()
@@ -187,9 +222,13 @@ class Trainer:
                 self.timings.backward_done()
                 self.watchdog.depart()
             total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None, "a step has at least one micro-batch"
+        total = total / self.ctx.world_size if count is None else self._divide_by_count(total, count)
         if self.guard.skipping and not self.guard.step_is_finite(total, self._gradients()):
             self._step_scheduler()  # the schedule counts steps, taken or skipped
             return None
+        if self.first_step_unchecked:
+            self._check_every_parameter_learns()
         if self.cfg.clip_grad:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
@@ -198,25 +237,68 @@ class Trainer:
         self._step_scheduler()
         return total
 
-    def _loss(self, batch: Any) -> torch.Tensor:
-        """The task's loss of one batch: ``step_fn(model, batch)``, or ``loss_fn(model(inputs), target)``."""
+    def _divide_by_count(self, local_sum: torch.Tensor, local_count: Any) -> torch.Tensor:
+        """``step_fn`` returned ``(sum, count)``: scale the gradients (averaged over the ranks by
+        DDP/FSDP) to the sum's gradient over the step's count on every rank, found with one small
+        all-reduce. Returns this rank's part of the step's mean loss."""
+        count = torch.as_tensor(local_count, dtype=torch.float64, device=self.device).detach().reshape(())
+        if self.ctx.world_size > 1:
+            self.watchdog.arrive(COUNT_SYNC, self.progress.global_step + 1)
+            dist.all_reduce(count)
+            self.watchdog.depart()
+        count = count.clamp(min=1)
+        factor = self.ctx.world_size / count.item()  # a number: FSDP's gradients are DTensors
+        for param in self.params:
+            if param.grad is not None:
+                param.grad.mul_(factor)
+        return local_sum / count
+
+    def _share_buffers(self, step: int) -> None:
+        """Every rank takes rank 0's buffers (BatchNorm's running statistics): before each step,
+        each evaluation and each save. One rule for DDP and FSDP: rank 0's buffers follow its
+        own batches only, so they are what model.pt holds and a resume is exact at any step."""
+        if self.strategy.shares_buffers:
+            self.watchdog.arrive(BUFFER_SYNC, step)
+            self.strategy.broadcast_buffers(self.module)
+            self.watchdog.depart()
+
+    def _loss(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        """The task's loss of one batch, ``step_fn(model, batch)`` or ``loss_fn(model(inputs),
+        target)``, and the count it is a sum over when step_fn returned ``(sum, count)``."""
         if not self.loss_checked and self.task.step_fn is None:
             check_pair(batch)
         try:
             if self.task.step_fn is not None:
-                loss = self.task.step_fn(self.model, batch)
+                value = self.task.step_fn(self.model, batch)
             else:
                 inputs, target = batch
-                loss = self.task.loss_fn(self.model(inputs), target)  # type: ignore[misc]
+                value = self.task.loss_fn(self.model(inputs), target)  # type: ignore[misc]
         except RuntimeError as error:
-            if "find_unused_parameters" in str(error):
-                raise RuntimeError(f"{error}\nddptrain: some parameters got no gradient; "
-                                   "pass --find-unused-parameters") from None
+            if "did not receive grad" in str(error):  # DDP: a parameter went unused after step 1
+                raise self._unused_parameters_error(str(error)) from None
             raise
-        if not self.loss_checked:
-            check_loss(loss, "step_fn" if self.task.step_fn is not None else "loss_fn")
-            self.loss_checked = True
-        return loss
+        loss, count = split_loss(value, "step_fn" if self.task.step_fn is not None else "loss_fn",
+                                 check=not self.loss_checked)
+        self.loss_checked = True
+        return loss, count
+
+    def _check_every_parameter_learns(self) -> None:
+        """After the first backward: the parameters that got no gradient, by name. (DDP would
+        fail at the next step instead, naming parameter indices at the end of a traceback.)"""
+        self.first_step_unchecked = False
+        if not self.strategy.needs_every_gradient:
+            return
+        missing = [name for name, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
+        if missing:
+            raise _unused_error(missing, "in the first step")
+
+    def _unused_parameters_error(self, message: str) -> ConfigError:
+        """DDP's "Parameter indices which did not receive grad for rank R: 3 4" with names."""
+        trainable = [name for name, p in self.module.named_parameters() if p.requires_grad]
+        found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", message)
+        indices = [int(i) for i in found.group(1).split()] if found else []
+        names = [trainable[i] for i in indices if i < len(trainable)] or ["(unnamed)"]
+        return _unused_error(names, f"at step {self.progress.global_step}")
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.autocast_dtype is None or not self.strategy.autocast:
@@ -234,13 +316,15 @@ class Trainer:
 
     # --- epoch ends, evaluation, the end -------------------------------------------------------
     def _end_epoch(self, epoch: int, seconds: float, samples: int) -> None:
+        """The epoch's record (``samples``: the epoch's, every sample once; the rate: this
+        process's, ``samples`` of them in ``seconds``)."""
         reduced = self._reduce(with_timings=True)
         record: dict[str, Any] = {
             "kind": "epoch", "epoch": epoch, "step": self.progress.global_step,
             "train_loss": reduced["loss_total"] / reduced["loss_steps"] if reduced["loss_steps"] else float("nan"),
             "lr": self.optimizer.param_groups[0]["lr"],
             "samples_per_s": round(samples / seconds, 1) if seconds > 0 else None,
-            "epoch_time_s": round(seconds, 3), "samples": samples, "time": round(time.time(), 3),
+            "epoch_time_s": round(seconds, 3), "samples": self.sampler.dataset_len, "time": round(time.time(), 3),
             **timing_record([figures[:3] for figures in reduced["per_rank"]]),
             "memory_mb": memory_record([figures[3:] for figures in reduced["per_rank"]]),
         }
@@ -268,7 +352,7 @@ class Trainer:
         # [loss sum, loss steps, ranks with non-finite weights, first bad step per rank, figures per rank]
         vector = torch.zeros(3 + world + PER_RANK * world, dtype=torch.float64, device=self.device)
         vector[0] = self.losses.local_sum()
-        vector[1] = self.losses.local_steps()
+        vector[1] = self.losses.local_steps() if self.ctx.is_main else 0  # the ranks' parts add up to a step's loss
         vector[2] = (~local_all_finite(self.params)).to(self.device, torch.float64)
         vector[3 + rank] = self.losses.first_nonfinite_step()
         start = 3 + world + PER_RANK * rank
@@ -291,9 +375,10 @@ class Trainer:
     def _evaluation(self) -> dict[str, Any]:
         if self.eval_batches is None:
             return {}
+        self._share_buffers(self.progress.global_step)  # every rank evaluates what model.pt holds
         model = self.strategy.eval_model(self.module, self.model)
         result = evaluate(model, self.eval_batches, self.task, self._autocast(), self.ctx.rank,
-                          self.ctx.world_size, self.watchdog, forward_syncs=self.strategy.name == "fsdp")
+                          self.ctx.world_size, self.watchdog, forward_syncs=self.strategy.forward_syncs)
         return {f"eval_{k}": v for k, v in result.items()}
 
     def _save(self) -> None:
@@ -303,11 +388,13 @@ class Trainer:
             return
         reduced = self._reduce()  # the epoch's loss so far, over every rank, goes into the snapshot
         self.loss_sums = (reduced["loss_total"], reduced["loss_steps"])
+        self._share_buffers(self.progress.global_step)
         self.checkpointer.save(self.progress.global_step, self.state_dict)
 
     def _finish(self) -> None:
         self._save()
         self.checkpointer.commit()
+        self._share_buffers(self.progress.global_step)  # (a no-op when _save just did it: rare)
         weights = self.strategy.full_model_state(self.module)  # every rank helps under fsdp
         if weights is not None:
             atomic_save(weights, self.run_dir / "model.pt")
@@ -323,7 +410,7 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything that makes the next step exactly what it would have been."""
-        total, steps = getattr(self, "loss_sums", (0.0, 0))
+        total, steps = self.loss_sums
         return {
             **self.strategy.state(self.module, self.optimizer),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
@@ -341,7 +428,10 @@ class Trainer:
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         saved = state["progress"]
-        self.progress = Progress(saved["epoch"], saved["step_in_epoch"], saved["global_step"])
+        # Snapshots by version 0.2 could stop at an epoch's last step, before its record: the
+        # epoch then ends at once (its record logged) and the next one starts.
+        at = min(saved["step_in_epoch"], self.steps_per_epoch)
+        self.progress = Progress(saved["epoch"], at, saved["global_step"])
         self.guard.skipped = list(saved.get("skipped_steps", []))
         # The epoch's loss so far, already summed over every rank: rank 0 carries it.
         carried = (saved.get("epoch_loss_total", 0.0), saved.get("epoch_loss_steps", 0))
@@ -357,6 +447,13 @@ class Trainer:
             self._use_config(dataclasses.replace(self.cfg, batch_size=batch))
         self.checkpointer.check_fits(start, self.cfg)
 
+    def _metrics_kept_through(self, start: Snapshot | None) -> int | None:
+        """The last step whose metrics.jsonl records stay on resume (later steps run again)."""
+        if start is None:
+            return None
+        at_epoch_end = self.progress.step_in_epoch == self.steps_per_epoch  # its record is logged again
+        return self.progress.global_step - 1 if at_epoch_end else self.progress.global_step
+
     def _resume_from(self, start: Snapshot) -> None:
         self.load_state_dict(start.state, start.whole)
         if start.state["world_size"] == self.ctx.world_size:
@@ -364,11 +461,10 @@ class Trainer:
 
     def _build_data(self) -> None:
         cfg, ctx, task = self.cfg, self.ctx, self.task
-        self.sampler = ResumableDistributedSampler(task.train_set, ctx.world_size, ctx.rank, cfg.seed)
-        self.batches = TrainBatches(task.train_set, self.sampler, cfg.batch_size, self.device, cfg.workers,
-                                    task.collate_fn)
-        micro = steps_per_epoch(len(task.train_set), ctx.world_size, cfg.batch_size)  # type: ignore[arg-type]
-        self.steps_per_epoch = math.ceil(micro / cfg.grad_accum)
+        self.sampler = StepSampler(len(task.train_set), ctx.world_size, ctx.rank,  # type: ignore[arg-type]
+                                   cfg.batch_size, cfg.grad_accum, cfg.seed)
+        self.batches = TrainBatches(task.train_set, self.sampler, self.device, cfg.workers, task.collate_fn)
+        self.steps_per_epoch = self.sampler.steps
         self.eval_batches = None if task.eval_set is None else EvalBatches(
             task.eval_set, cfg.batch_size, ctx.rank, ctx.world_size, self.device, cfg.workers, task.collate_fn,
             equal_counts=self.strategy.forward_syncs)

@@ -13,10 +13,15 @@ once (failures.hard_exit).
 from __future__ import annotations
 
 import functools
+import gc
 import os
+import signal
 import sys
+import threading
+import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
@@ -25,6 +30,7 @@ from .config import ConfigError, RunConfig
 from .dist import connect_store, hosts_store, joined, resolve_device_kind
 from .environments import detect
 from .failures import PeerFailed, hard_exit, record_error
+from .hold import RunDirHold, job_id
 from .preemption import PREEMPTED_EXIT_CODE
 from .report import say
 from .tasks.protocol import TaskFactory
@@ -33,10 +39,12 @@ from .watchdog import NullWatchdog, Watchdog
 
 # What a rank returns: (status, message). The launcher prints rank 0's message.
 Outcome = tuple[str, str]
+PR_SET_PDEATHSIG = 1  # prctl(2)
 EXIT_CODES = {"finished": 0, "already_finished": 0, "config_error": 2, "preempted": PREEMPTED_EXIT_CODE}
 
 
 _watchdog: Watchdog | None = None  # this process's rank's watchdog (one rank per process)
+_hold: RunDirHold | None = None  # rank 0's hold on the run dir, under torchrun / srun
 
 
 class ErrorFileOnce(ErrorHandler):
@@ -48,15 +56,76 @@ class ErrorFileOnce(ErrorHandler):
 
 def rank_entry(cfg: RunConfig, factory: TaskFactory | None) -> Outcome:
     """What ddptrain's own launcher starts in every local rank."""
+    # A forked rank holds copies of the launcher's objects, among them garbage such as an
+    # earlier attempt's rendezvous store after a restart: collecting that here would join its
+    # server thread, which only exists in the launcher, and hang forever (seen in a restart
+    # test: a rank stuck in LibUVStoreDaemon's destructor). The rank's GC leaves them alone.
+    gc.freeze()
+    die_with_launcher()
     try:
-        return run_rank(cfg, factory)
+        outcome = run_rank(cfg, factory)
     except BaseException:  # @record has written the error file (or the watchdog thread has)
         leave(1)
         raise  # not reached
+    leave_once_parked()
+    return outcome
+
+
+def die_with_launcher() -> None:
+    """A local rank ends when the process that launched it dies, even by SIGKILL (Linux's
+    parent-death signal): no orphan keeps training in a run dir whose job is gone."""
+    launcher = int(os.environ.get("DDPTRAIN_LAUNCHER_PID", "0"))
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: no such signal
+        return
+    if launcher and os.getppid() != launcher:  # it died before the line above
+        hard_exit(1)
+
+
+def leave_once_parked(grace_s: float = 0.5) -> None:
+    """Let this process end once torch's launcher has this rank's result.
+
+    torch's elastic multiprocessing parks a rank that returned (``_wrap``: the result goes on
+    a queue, then ``queue_finished_reading_event.wait()``) until its launcher, having read
+    every rank's result, sets the event; a launcher that is itself stopping (a stop signal
+    reached ``ddptrain train`` or a ``fit()`` script) never does, and kills the ranks after
+    30 s. The result is in the queue's pipe by then, readable after this process is gone, so
+    a rank parked for ``grace_s`` sets the event itself. (Setting it, not exiting: a process
+    that dies while waiting on a multiprocessing Event deadlocks the next ``set()``.)"""
+    main = threading.main_thread().ident
+
+    def parked_on() -> Any:
+        """The event the main thread is parked on in torch's ``_wrap``, or None."""
+        frame = sys._current_frames().get(main)  # type: ignore[arg-type]
+        while frame is not None:
+            caller = frame.f_back
+            if (frame.f_code.co_name == "wait" and frame.f_code.co_filename.endswith("synchronize.py")
+                    and caller is not None and caller.f_code.co_name == "_wrap"):
+                return caller.f_locals.get("queue_finished_reading_event")
+            frame = caller
+        return None
+
+    def watch() -> None:
+        since = None
+        while True:
+            event = parked_on()
+            now = time.monotonic()
+            since = (since or now) if event is not None else None
+            if since is not None and now - since >= grace_s:
+                event.set()
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=watch, name="ddptrain-exit", daemon=True).start()
 
 
 def leave(code: int) -> None:
     """End this rank's process now, after a failure (see failures.hard_exit)."""
+    if _hold is not None:
+        _hold.release()
     if _watchdog is not None:
         _watchdog.exit_process(code)
     hard_exit(code)
@@ -67,7 +136,6 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
     env = detect(local_rank_arg=local_rank_arg)
     show_warnings_with_rank(env.rank)
     run_dir = Path(cfg.run_dir)  # resolved by the caller (api.execute)
-    write_pid_file(run_dir, env.rank)
     device_kind, backend = resolve_device_kind(cfg.device, cfg.backend, env.local_world_size)
     store = connect_store(env, cfg.timeout)
     global _watchdog
@@ -76,6 +144,9 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
     else:
         watchdog = NullWatchdog()
     try:
+        watchdog.phase("start-up: taking the run dir (one job per run dir)")
+        hold_run_dir(env.rank, run_dir, store)  # before this job touches anything in it
+        write_pid_file(run_dir, env.rank)
         watchdog.phase("start-up: building the task")
         task = tasks.build(cfg, factory)
         check_batch_fits(len(task.train_set), env.world_size, cfg.batch_size)  # type: ignore[arg-type]
@@ -84,6 +155,8 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
     except ConfigError as error:  # the same on every rank: each returns it, the launcher says it once
         watchdog.report_failure(error)
         watchdog.stop()
+        if _hold is not None:
+            _hold.release()
         return "config_error", str(error)
     except BaseException as error:
         if watchdog.acting.is_set():  # the watchdog thread reports a verdict (a hang) and ends the process
@@ -95,7 +168,29 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
         raise
     watchdog.stop()
     Path(run_dir / "pids" / f"rank-{env.rank}.pid").unlink(missing_ok=True)
+    if _hold is not None:
+        _hold.release()
     return status, outcome_message(status, cfg)
+
+
+def hold_run_dir(rank: int, run_dir: Path, store: Any) -> None:
+    """Under torchrun or srun, rank 0 holds the run dir for the whole job and tells the other
+    ranks (through the store) whether it could; ddptrain's own launcher already holds it."""
+    global _hold
+    if os.environ.get("DDPTRAIN_LOCAL_LAUNCH"):
+        return
+    key = f"ddptrain/hold/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if rank == 0:
+        try:
+            _hold = RunDirHold(run_dir, job_id()).acquire()
+        except ConfigError as refused:
+            store.set(key, str(refused))
+            raise
+        store.set(key, "")
+        return
+    refusal = store.get(key).decode()
+    if refusal:
+        raise ConfigError(refusal)
 
 
 def outcome_message(status: str, cfg: RunConfig) -> str:
@@ -103,9 +198,11 @@ def outcome_message(status: str, cfg: RunConfig) -> str:
         return (f"stopped by a signal at a step boundary; snapshot saved in {cfg.run_dir}/snapshots; "
                 "run the same command to resume")
     if status == "already_finished":
-        return (f"{cfg.run_dir} holds a run that already finished {cfg.max_epochs} epoch(s); its model is "
-                f"{cfg.run_dir}/model.pt. To train it longer, pass a larger --max-epochs; to train afresh, "
-                "pass --resume never or another --run-dir")
+        model = Path(cfg.run_dir or "") / "model.pt"
+        done = (f"already finished {cfg.max_epochs} epoch(s); its model is {model}" if model.exists() else
+                f"was stopped past {cfg.max_epochs} epoch(s), before writing model.pt")
+        return (f"{cfg.run_dir} holds a run that {done}. To train it longer, pass a larger --max-epochs; "
+                "to train afresh, pass --resume never or another --run-dir")
     return f"model saved to {cfg.run_dir}/model.pt"
 
 

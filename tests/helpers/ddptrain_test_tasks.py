@@ -264,6 +264,40 @@ def non_scalar_step(cfg) -> Task:
     return task
 
 
+def integer_step(cfg) -> Task:
+    task = regression_task(cfg)
+    task.loss_fn = None
+    task.step_fn = lambda model, batch: (model(batch[0]) > 0).sum()
+    return task
+
+
+def detached_step(cfg) -> Task:
+    task = regression_task(cfg)
+    task.loss_fn = None
+    task.step_fn = lambda model, batch: torch.tensor(F.mse_loss(model(batch[0]), batch[1]).item())
+    return task
+
+
+class _CountedStream(torch.utils.data.IterableDataset):
+    def __len__(self):
+        return 4
+
+    def __iter__(self):
+        return iter((torch.ones(20), torch.ones(1)) for _ in range(4))
+
+
+def iterable_with_len(cfg) -> Task:
+    task = regression_task(cfg)
+    task.train_set = _CountedStream()
+    return task
+
+
+def empty_eval_set(cfg) -> Task:
+    task = regression_task(cfg)
+    task.eval_set = TensorDataset(torch.zeros(0, 20), torch.zeros(0, 1))
+    return task
+
+
 def eval_without_samples(cfg) -> Task:
     task = digits_task(cfg)
     task.loss_fn, task.metrics = None, {}
@@ -293,6 +327,21 @@ def small_gpt2(cfg) -> Task:
 
 
 kill_small_gpt2 = killable(small_gpt2)
+
+
+def gpt2_lines(cfg) -> Task:
+    """examples/hf_causal_lm.py's padded lines with a token-averaged loss, first 48 lines, no dropout."""
+    import hf_causal_lm
+
+    task = hf_causal_lm.gpt2_lines_task(cfg)
+    task.train_set = Subset(task.train_set, range(48))
+    for module in task.model.modules():  # no dropout: 1 and 2 ranks would draw different masks
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if os.environ.get("MEAN_PER_BATCH"):  # the per-batch mean: what the pair form replaces
+        step = task.step_fn
+        task.step_fn = lambda model, batch: (lambda total, count: total / count)(*step(model, batch))
+    return task
 
 
 def cnn(cfg) -> Task:
@@ -352,3 +401,30 @@ def bench_via_dataloader(cfg) -> Task:
     task = bench_task(cfg)
     task.train_set = PlainDataset(task.train_set)
     return task
+
+
+# --- data sets that do not divide evenly, models with buffers ------------------------------------
+def _small_mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def uneven(cfg) -> Task:
+    """A small MLP on the first UNEVEN_SAMPLES regression samples (the epoch's last global
+    batch is short), SGD lr 0.05: large enough steps that a mis-weighted sample shows."""
+    samples = int(os.environ.get("UNEVEN_SAMPLES", "600"))
+    data = regression_task(cfg).train_set
+    return Task(model=_small_mlp(), train_set=TensorDataset(*(t[:samples] for t in data.tensors)),
+                loss_fn=F.mse_loss, defaults={"lr": 0.05, "optimizer": "sgd"})
+
+
+def batchnorm(cfg) -> Task:
+    """A BatchNorm MLP on 600 regression samples, evaluated on 200 others."""
+    data = regression_task(cfg).train_set
+    model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 1))
+    return Task(model=model, train_set=TensorDataset(*(t[:600] for t in data.tensors)),
+                eval_set=TensorDataset(*(t[600:800] for t in data.tensors)), loss_fn=F.mse_loss,
+                defaults={"lr": 0.05, "optimizer": "sgd", "momentum": 0.9})
+
+
+kill_uneven = killable(uneven)

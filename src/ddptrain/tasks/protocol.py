@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from ..config import ConfigError
 
@@ -66,6 +66,10 @@ def check_task(task: Any, name: str) -> None:
                          ("eval_fn", task.eval_fn), ("loss_fn", task.loss_fn), ("blocks", task.blocks)):
         if value is not None and not callable(value):
             raise ConfigError(f"--task {name}: Task.{name_} is {type(value).__name__}, not a function")
+    if isinstance(task.train_set, IterableDataset):
+        raise ConfigError(f"--task {name}: Task.train_set is an IterableDataset; ddptrain shards map-style "
+                          "data sets (torch.utils.data.Dataset with __len__ and __getitem__) so that every "
+                          "sample trains once per epoch")
     try:
         len(task.train_set)  # type: ignore[arg-type]
     except TypeError:
@@ -73,6 +77,13 @@ def check_task(task: Any, name: str) -> None:
                           "data sets (torch.utils.data.Dataset with __len__ and __getitem__)") from None
     if len(task.train_set) == 0:  # type: ignore[arg-type]
         raise ConfigError(f"--task {name}: Task.train_set is empty")
+    if task.eval_set is not None:
+        if isinstance(task.eval_set, IterableDataset) or not hasattr(task.eval_set, "__len__"):
+            raise ConfigError(f"--task {name}: Task.eval_set must be a map-style data set (__len__ and "
+                              "__getitem__), so that every rank evaluates its own batches")
+        if len(task.eval_set) == 0:  # type: ignore[arg-type]
+            raise ConfigError(f"--task {name}: Task.eval_set is empty; give it samples, or leave it None "
+                              "to train without evaluation")
 
 
 def check_pair(batch: Any) -> None:
@@ -83,9 +94,30 @@ def check_pair(batch: Any) -> None:
                           "give step_fn(model, batch) -> loss instead")
 
 
+def split_loss(value: Any, name: str, check: bool = False) -> tuple[torch.Tensor, Any]:
+    """``(loss, None)`` for a mean loss, ``(sum, count)`` when Task.``name`` returned that pair
+    (a sum over ``count`` units, e.g. the tokens that are not padding). ``check``: ConfigError
+    (one line) unless the loss is a scalar floating-point tensor that autograd can train."""
+    loss, count = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
+    if check:
+        check_loss(loss, name)
+        if isinstance(value, tuple) and not isinstance(count, (int, float, torch.Tensor)):
+            raise ConfigError(f"Task.{name} returned ({type(loss).__name__}, {type(count).__name__}); the pair "
+                              "form is (loss_sum, count) with count a number or a tensor")
+    return loss, count
+
+
 def check_loss(loss: Any, name: str) -> None:
-    """ConfigError unless ``loss`` (returned by Task.``name``) is a scalar floating-point tensor."""
-    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ConfigError(f"Task.{name} returned {shape}, not a scalar floating-point loss tensor; "
-                          "reduce it, e.g. with .mean()")
+    """ConfigError unless ``loss`` (returned by Task.``name``) is a scalar floating-point tensor
+    that has a gradient to follow."""
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(f"Task.{name} returned a {type(loss).__name__}, not a loss tensor; return a scalar "
+                          "floating-point tensor (or (loss_sum, count))")
+    if not (loss.dim() == 0 and loss.is_floating_point()):
+        raise ConfigError(f"Task.{name} returned a tensor of shape {tuple(loss.shape)} and dtype "
+                          f"{str(loss.dtype).removeprefix('torch.')}, not a scalar floating-point loss; reduce it, "
+                          "e.g. with .float().mean()")
+    if torch.is_grad_enabled() and not loss.requires_grad:
+        raise ConfigError(f"Task.{name} returned a loss that does not depend on any trainable parameter "
+                          "(detached: .item(), .detach(), torch.no_grad() or a new tensor); return the loss "
+                          "autograd computed from the model's output")

@@ -1,0 +1,140 @@
+"""One job per run dir: a job holds its run dir for its whole life.
+
+Two jobs writing one folder corrupt it (one moves the other's files aside, resumes from its
+in-flight snapshot, interleaves metrics.jsonl). So before anything in a run dir is touched,
+the job takes ``RUN_DIR/.hold``, a small JSON file naming the holder (job, host, pid, since,
+heartbeat), and keeps it until it ends:
+
+- Who holds: ``ddptrain train`` / ``fit()`` launching local ranks hold it in the launching
+  process; under torchrun or srun the job's rank 0 holds it for every node of the job. A job
+  is named by its launcher (``job_id``): a restart of the same job (torchrun's restarts, a
+  Slurm requeue, the same ``--rdzv-id``) takes its own hold over.
+- Liveness: the holder keeps an exclusive ``flock`` on the file, which the kernel drops when
+  the holder dies, even by SIGKILL: on the same host a hold whose lock is free is stale. On
+  shared storage seen from another host, locks may not cross hosts, so the holder rewrites
+  its heartbeat every HEARTBEAT_S seconds and a hold whose heartbeat is older than STALE_S
+  is stale.
+- A second job on a held folder stops with one line naming the holder (ConfigError, exit 2)
+  and touches nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError
+
+HOLD_FILE = ".hold"
+HEARTBEAT_S = 10.0
+STALE_S = 60.0  # a heartbeat older than this (seen from another host) is a dead holder's
+
+
+def job_id(environ: os._Environ[str] | dict[str, str] = os.environ) -> str:
+    """The job this process belongs to, the same in every process and restart of the job."""
+    if environ.get("DDPTRAIN_JOB_ID"):  # ddptrain's own local launch
+        return environ["DDPTRAIN_JOB_ID"]
+    if environ.get("SLURM_JOB_ID"):
+        return f"slurm-{environ['SLURM_JOB_ID']}"
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return f"torchelastic-{run_id}"
+    # torchrun's static rendezvous (run id "none"): no two live jobs share a master address and port
+    return f"job-{environ.get('MASTER_ADDR', '')}:{environ.get('MASTER_PORT', '')}"
+
+
+class RunDirHold:
+    """This job's hold on ``run_dir`` (``acquire`` ... ``release``)."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], job: str) -> None:
+        self.path = Path(run_dir) / HOLD_FILE
+        self.job = job
+        self.fd: int | None = None
+        self.since = time.time()
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    def acquire(self) -> RunDirHold:
+        """Take the hold, or raise ConfigError naming the live holder; touches nothing else."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            locked = _try_lock(fd)
+            holder = _read(fd)
+            if holder and holder.get("job") != self.job and not self._stale(holder, locked):
+                raise ConfigError(self._refusal(holder))
+            if not locked and not (holder and holder.get("job") == self.job):
+                raise ConfigError(self._refusal(holder or {}))
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self._write()
+        self._beat = threading.Thread(target=self._heartbeat, name="ddptrain-hold", daemon=True)
+        self._beat.start()
+        return self
+
+    def release(self) -> None:
+        """Give the hold up (the file goes; the lock with it)."""
+        self._stop.set()
+        if self.fd is None:
+            return
+        try:
+            holder = _read(self.fd)
+            if holder.get("job") == self.job and holder.get("pid") == os.getpid():
+                self.path.unlink(missing_ok=True)
+        finally:
+            os.close(self.fd)
+            self.fd = None
+
+    def _stale(self, holder: dict[str, Any], locked: bool) -> bool:
+        if holder.get("host") == socket.gethostname():
+            return locked  # the holder's lock is free: it is gone
+        return time.time() - float(holder.get("heartbeat", 0)) > STALE_S
+
+    def _refusal(self, holder: dict[str, Any]) -> str:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("since", time.time()))))
+        who = (f"job {holder.get('job', '?')} (host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, "
+               f"since {since})")
+        return (f"run dir {self.path.parent} is in use by {who}; wait for it to end, stop it, or give this job "
+                "another --run-dir")
+
+    def _write(self) -> None:
+        record = {"job": self.job, "host": socket.gethostname(), "pid": os.getpid(), "since": self.since,
+                  "heartbeat": time.time()}
+        data = json.dumps(record).encode()
+        assert self.fd is not None
+        os.pwrite(self.fd, data.ljust(max(len(data), 512)), 0)  # padded: a rewrite never leaves a tail
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._write()
+            except (OSError, AssertionError):
+                return
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+
+
+def _read(fd: int) -> dict[str, Any]:
+    """The holder's record, {} if there is none yet. A record being written reads again."""
+    for _ in range(20):
+        text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        if not text:
+            return {}
+        try:
+            return json.loads(text)
+        except ValueError:
+            time.sleep(0.05)
+    return {}
