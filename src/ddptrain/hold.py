@@ -66,6 +66,11 @@ class RunDirHold:
         try:
             locked = _try_lock(fd)
             holder = _read(fd)
+            for _ in range(40):  # locked by a job that is still writing its record: give it 2 s
+                if locked or holder:
+                    break
+                time.sleep(0.05)
+                holder = _read(fd)
             if holder and holder.get("job") != self.job and not self._stale(holder, locked):
                 raise ConfigError(self._refusal(holder))
             if not locked and not (holder and holder.get("job") == self.job):

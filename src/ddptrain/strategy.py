@@ -60,7 +60,7 @@ def kept_buffers(module: torch.nn.Module) -> Iterator[None]:
 
 def convert_sync_batchnorm(module: torch.nn.Module) -> torch.nn.Module:
     """``--sync-batchnorm``: BatchNorm layers normalise with the statistics of the global batch
-    (torch's SyncBatchNorm, which runs on GPUs only: config.py refuses it on CPU)."""
+    (torch's SyncBatchNorm, which runs on GPUs only: the Trainer refuses it on CPU)."""
     return torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
 
 
