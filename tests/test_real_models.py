@@ -77,9 +77,12 @@ def _gpt2_lines_weights(run_dir, env=None, **options):
 @pytest.mark.slow
 def test_a_token_averaged_loss_with_padding_is_exact_on_any_number_of_ranks(tmp_path):
     """Lines of different lengths, padded; step_fn returns (token loss sum, token count): 2 ranks
-    x 4 lines train as 1 x 8. The per-batch mean it replaces weighs short lines more: it is not."""
+    x 4 lines, and 2 x 2 x accumulation 2 under FSDP, train as 1 x 8. The per-batch mean it
+    replaces weighs short lines more: it is not."""
     one = _gpt2_lines_weights(tmp_path / "one", nproc=1, batch_size=8)
     assert_same_weights(_gpt2_lines_weights(tmp_path / "two", batch_size=4), one)
+    sharded = _gpt2_lines_weights(tmp_path / "fsdp", batch_size=2, grad_accum=2, strategy="fsdp")
+    assert_same_weights(sharded, one)  # gradients scaled as DTensors, counts over micro-batches
     means = {"MEAN_PER_BATCH": "1"}
     one_mean = _gpt2_lines_weights(tmp_path / "one_mean", means, nproc=1, batch_size=8)
     two_mean = _gpt2_lines_weights(tmp_path / "two_mean", means, batch_size=4)
