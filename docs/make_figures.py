@@ -21,9 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from torch.utils.data import TensorDataset  # noqa: E402
-
-from ddptrain.data import ResumableDistributedSampler  # noqa: E402
+from torch.utils.data import DistributedSampler, TensorDataset  # noqa: E402
 
 DOCS = Path(__file__).parent
 DDPTRAIN = [sys.executable, "-m", "ddptrain"]
@@ -48,7 +46,7 @@ def sampler_picture() -> None:
     for ax, reshuffle in zip(axes, (True, False)):
         for epoch in (0, 1):
             for rank, marker in ((0, "o"), (1, "s")):
-                sampler = ResumableDistributedSampler(data, 2, rank, seed=0)
+                sampler = DistributedSampler(data, num_replicas=2, rank=rank, seed=0)
                 sampler.set_epoch(epoch if reshuffle else 0)
                 indices = list(sampler)
                 ax.scatter([epoch * 32 + i for i in range(32)], indices, s=14, marker=marker,
