@@ -29,6 +29,7 @@ test-fast: dev
 
 lint: dev
 	$(BIN)/ruff check src tests examples benchmarks docs
+	$(BIN)/lint-imports  # the layers in pyproject.toml: dependencies point down, no cycles
 
 bench: install
 	$(BIN)/ddptrain bench

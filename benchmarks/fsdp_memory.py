@@ -23,7 +23,7 @@ VARIANTS = {"ddp": ["--strategy", "ddp"], "fsdp": ["--strategy", "fsdp"],
 
 def run(flags: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
-        subprocess.run([sys.executable, "-m", "ddptrain", "train", "--task", "ddptrain.bench_loops:mlp34m_task",
+        subprocess.run([sys.executable, "-m", "ddptrain", "train", "--task", "ddptrain.bench.loops:mlp34m_task",
                         "--nproc", "2", "--max-epochs", "2", "--batch-size", "16", "--save-seconds", "0",
                         "--run-dir", run_dir, *flags], check=True, capture_output=True,
                        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ddptrain import snapshot_files as snapshot
+from ddptrain.snapshots import files as snapshot
 
 
 def state_for(model: torch.nn.Module) -> dict:

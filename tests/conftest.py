@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import ddptrain  # noqa: E402
-from ddptrain.report import read_metrics  # noqa: E402, F401 - re-exported for the tests
+from ddptrain.observe.report import read_metrics  # noqa: E402, F401 - re-exported for the tests
 
 # Set by pytest itself, or by torch when a module is first imported: not a test's doing.
 NOT_A_LEAK = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}

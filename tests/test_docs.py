@@ -134,3 +134,14 @@ def test_shown_output_is_matched_line_by_line_in_order():
     assert_shows(output, "epoch 0 | … samples/s\nsummary\n", "here")
     with pytest.raises(AssertionError, match="the docs show"):
         assert_shows(output, "summary\nepoch 0 | … samples/s\n", "here")  # the order matters
+
+
+def test_the_architecture_table_names_every_part_of_the_package_and_nothing_else():
+    """README's Architecture table and `ls src/ddptrain` agree (subpackages and top modules)."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z_]+(?:/|\.py))`", section.split("One training step")[0]))
+    package = REPO / "src" / "ddptrain"
+    parts = {f"{p.name}/" for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    parts |= {p.name for p in package.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    assert named == parts

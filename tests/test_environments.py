@@ -2,7 +2,7 @@
 
 import pytest
 
-from ddptrain.environments import (
+from ddptrain.launch.environments import (
     LocalEnvironment,
     SlurmEnvironment,
     TorchrunEnvironment,

@@ -11,7 +11,7 @@ from ddptrain import Task
 from ddptrain.cli import main
 from ddptrain.config import RunConfig
 from ddptrain.data import EvalBatches
-from ddptrain.metrics import evaluate
+from ddptrain.observe.metrics import evaluate
 from ddptrain.optim import build_scheduler, lr_factor
 from ddptrain.tasks.digits import accuracy, digits_task
 

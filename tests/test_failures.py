@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from ddptrain import TrainingFailed
-from ddptrain import snapshot_files as files
 from ddptrain.cli import main
 from ddptrain.data import StepSampler
-from ddptrain.failures import RankError, root_cause
+from ddptrain.resilience.failures import RankError, root_cause
+from ddptrain.snapshots import files as files
 from ddptrain.tasks.regression import regression_data
 
 from conftest import assert_same_weights, clean_env, ddptrain_cli, fit, load_model, read_metrics

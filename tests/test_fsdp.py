@@ -4,8 +4,8 @@ exactly, load across strategies and world sizes, and less memory."""
 import pytest
 import torch
 
-from ddptrain import snapshot_files as files
 from ddptrain.config import RunConfig
+from ddptrain.snapshots import files as files
 from ddptrain.tasks import digits_task
 
 from conftest import assert_ok, assert_same_weights, ddptrain_cli, fit, load_model, read_metrics

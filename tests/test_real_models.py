@@ -6,7 +6,7 @@ import torch
 
 from ddptrain import RunConfig, TrainingFailed
 from ddptrain.data import EvalBatches
-from ddptrain.metrics import evaluate
+from ddptrain.observe.metrics import evaluate
 
 from conftest import assert_same_weights, fit, load_model, read_metrics
 from ranks import run_on_ranks

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ddptrain.config import ConfigError
-from ddptrain.hold import HOLD_FILE, RunDirHold, job_id
+from ddptrain.resilience.hold import HOLD_FILE, RunDirHold, job_id
 
 from conftest import BIN, assert_ok, assert_same_weights, clean_env, finish, load_model, read_metrics, run
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ddptrain import ConfigError
-from ddptrain import snapshot_files as files
-from ddptrain.checkpointer import adapt_batch, check_resume_path, move_aside
-from ddptrain.snapshot_dcp import remove_partials
+from ddptrain.snapshots import files as files
+from ddptrain.snapshots.checkpointer import adapt_batch, check_resume_path, move_aside
+from ddptrain.snapshots.dcp import remove_partials
 
 
 class _Exploit:

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 __version__ = "0.2.0"
 
-from .config import ConfigError, RunConfig  # noqa: E402 (no torch: a bad flag is reported at once)
+from .config import RunConfig  # noqa: E402 (no torch: a bad flag is reported at once)
+from .errors import ConfigError  # noqa: E402
 
 __all__ = ["ConfigError", "RunConfig", "Stopped", "Task", "Trainer", "TrainingFailed", "__version__",
            "fit", "free_port", "process_group"]
 
 _LAZY = {  # these pull in torch: imported on first use
     "Task": ("tasks.protocol", "Task"), "Trainer": ("trainer", "Trainer"),
-    "fit": ("api", "fit"), "TrainingFailed": ("api", "TrainingFailed"),
-    "Stopped": ("api", "Stopped"), "process_group": ("dist", "process_group"), "free_port": ("dist", "free_port"),
+    "fit": ("api", "fit"), "TrainingFailed": ("errors", "TrainingFailed"),
+    "Stopped": ("errors", "Stopped"), "process_group": ("launch.group", "process_group"),
+    "free_port": ("comm", "free_port"),
 }
 
 

@@ -8,14 +8,11 @@ ranks through torch's elastic launcher. Both ``fit`` and the command line go thr
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .config import (
-    ConfigError,
     RunConfig,
-    default_run_dir,
     from_options,
     make_run_dir,
     parse_nproc,
@@ -23,18 +20,11 @@ from .config import (
     setting_name,
     validate,
 )
+from .errors import ConfigError, Stopped, TrainingFailed  # noqa: F401 - ddptrain.api's names too
 
 if TYPE_CHECKING:  # torch is imported only once the settings are known to be good
+    from .launch.rank import Outcome
     from .tasks.protocol import TaskFactory
-    from .worker import Outcome
-
-
-class TrainingFailed(RuntimeError):
-    """A rank failed or hung; the message is ddptrain's report (which rank, and why)."""
-
-
-class Stopped(RuntimeError):
-    """A stop signal ended training after a snapshot; the same call resumes it."""
 
 
 def prepare(task: str | TaskFactory | None, options: Mapping[str, Any],
@@ -69,21 +59,21 @@ def factory_name(factory: TaskFactory) -> str:
 
 def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | None = None) -> Outcome:
     """Run the job: as this rank under a launcher, else start the local ranks here."""
-    from .environments import LocalEnvironment, detect
+    from .launch.environments import LocalEnvironment, detect
 
     env = detect(local_rank_arg=local_rank_arg)
     env.validate()
-    cfg = dataclasses.replace(cfg, run_dir=cfg.run_dir or default_run_dir(cfg))
+    cfg = cfg.with_run_dir()
     make_run_dir(cfg.run_dir)  # type: ignore[arg-type]
     if cfg.resume not in ("auto", "never"):
-        from .checkpointer import check_resume_path
+        from .snapshots.checkpointer import check_resume_path
         check_resume_path(cfg.resume)
     if not isinstance(env, LocalEnvironment):  # torchrun or srun started this process
-        from .worker import run_rank
+        from .launch.rank import run_rank
         return run_rank(cfg, factory, local_rank_arg)
-    from .dist import check_comm_hook, resolve_device_kind
-    from .hold import RunDirHold
-    from .launch import auto_nproc, launch_local, new_job_id
+    from .launch.group import check_comm_hook, resolve_device_kind
+    from .launch.local import auto_nproc, launch_local, new_job_id
+    from .resilience.hold import RunDirHold
 
     nproc = parse_nproc(cfg.nproc) or auto_nproc(cfg.device)
     device_kind, backend = resolve_device_kind(cfg.device, cfg.backend, nproc)
@@ -109,7 +99,7 @@ def fit(task: str | TaskFactory, *, config: str | None = None, **options: Any) -
     when a rank fails or hangs, Stopped after a stop signal.
     """
     cfg, factory = prepare(task, options, config)
-    from .launch import LaunchFailed
+    from .errors import LaunchFailed
 
     try:
         status, message = execute(cfg, factory)
@@ -122,7 +112,7 @@ def fit(task: str | TaskFactory, *, config: str | None = None, **options: Any) -
     if status == "preempted":
         raise Stopped(message)
     if status == "already_finished":
-        from .report import say
+        from .console import say
 
         say(f"ddptrain: {message}")
     return summary_of(cfg)
@@ -133,8 +123,8 @@ def summary_of(cfg: RunConfig) -> dict[str, Any]:
     import os
     from pathlib import Path
 
-    from .report import summarize
+    from .observe.report import summarize
 
     if int(os.environ.get("RANK", "0")) != 0:
         return {}
-    return summarize(Path(cfg.run_dir or default_run_dir(cfg)))
+    return summarize(Path(cfg.with_run_dir().run_dir))  # type: ignore[arg-type]

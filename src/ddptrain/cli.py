@@ -14,9 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .config import FIELDS, ConfigError, field_type, flag
-
-_KIND_NAMES = {int: "a whole number", float: "a number", str: "text"}
+from .config import FIELDS, coerce, field_type, flag
+from .errors import ConfigError
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -26,13 +25,14 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _typed(kind: type, name: str) -> Any:
+def _typed(field: str, flag_name: str) -> Any:
+    """argparse's ``type=``: config.coerce, the one conversion every way of giving a setting uses."""
     def convert(text: str) -> Any:
         try:
-            return kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} needs {_KIND_NAMES[kind]}, got {text!r}") from None
-    convert.__name__ = kind.__name__
+            return coerce(field, text, flag_name)
+        except ConfigError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    convert.__name__ = field_type(field).__name__
     return convert
 
 
@@ -50,7 +50,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                                 default=argparse.SUPPRESS, help=meta["help"])
         else:
             help_text = meta["help"] + ("" if default is None else f" (default: {default})")
-            parser.add_argument(*names, dest=field.name, type=_typed(kind, names[0]), default=argparse.SUPPRESS,
+            parser.add_argument(*names, dest=field.name, type=_typed(field.name, names[0]), default=argparse.SUPPRESS,
                                 choices=meta.get("choices"), help=help_text)
 
 
@@ -81,20 +81,20 @@ def given_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def train(args: argparse.Namespace) -> int:
     from .api import prepare
-    from .environments import LocalEnvironment, detect
+    from .launch.environments import LocalEnvironment, detect
 
     cfg, factory = prepare(None, given_options(args), args.config)  # torch is not imported before this
     env = detect(local_rank_arg=args.local_rank)
     if not isinstance(env, LocalEnvironment):  # torchrun or srun started this process: one rank
         return _run_as_rank(cfg, args.local_rank, env.rank)
     from .api import execute
-    from .launch import LaunchFailed
-    from .worker import exit_for
+    from .errors import LaunchFailed
+    from .launch.rank import exit_for
 
     try:
         return exit_for(execute(cfg, factory), is_main=True)
     except LaunchFailed as failure:
-        from .report import say
+        from .console import say
 
         say(str(failure), sys.stderr)
         return failure.exit_code
@@ -104,16 +104,16 @@ def _run_as_rank(cfg: Any, local_rank: int | None, rank: int) -> int:
     """One rank under torchrun/srun: on failure, say so here (srun has no error files) and
     exit at once, without tearing down a process group whose peers may be gone."""
     from .api import execute
-    from .failures import SECONDARY
-    from .report import say
-    from .worker import exit_for, leave
+    from .console import say
+    from .errors import PeerFailed, PeerStuck
+    from .launch.rank import exit_for, leave
 
     try:
         return exit_for(execute(cfg, None, local_rank), is_main=rank == 0)
     except ConfigError:
         raise
     except BaseException as error:
-        if type(error).__name__ in SECONDARY:
+        if isinstance(error, (PeerFailed, PeerStuck)):
             say(f"ddptrain: {error}", sys.stderr)
         else:
             say(f"ddptrain: rank {rank} failed; its traceback:\n{traceback.format_exc().rstrip()}", sys.stderr)
@@ -122,7 +122,7 @@ def _run_as_rank(cfg: Any, local_rank: int | None, rank: int) -> int:
 
 
 def report(args: argparse.Namespace) -> int:
-    from .report import format_summary, plot_curves, summarize
+    from .observe.report import format_summary, plot_curves, summarize
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
@@ -135,7 +135,7 @@ def report(args: argparse.Namespace) -> int:
 
 
 def env_command(args: argparse.Namespace) -> int:
-    from .envinfo import environment_report
+    from .launch.envinfo import environment_report
 
     print(json.dumps(environment_report(), indent=2))
     return 0
@@ -146,8 +146,8 @@ COMMANDS = {"train": train, "env": env_command, "report": report}
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # its own parser (bench.py): every flag after "bench" is its
-        from .bench import main as bench_main
+    if argv[:1] == ["bench"]:  # its own parser (bench/cli.py): every flag after "bench" is its
+        from .bench.cli import main as bench_main
         return bench_main(argv[1:])
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -165,7 +165,7 @@ def entry() -> None:
     """The ``ddptrain`` command. Once the work is done (files closed, output flushed, ranks
     gone), the process ends without the interpreter's teardown: with torch._dynamo loaded (DDP
     imports it) that teardown took 0.75 s of a 3.9 s one-epoch command, and does nothing."""
-    from .failures import hard_exit
+    from .resilience.failures import hard_exit
 
     hard_exit(main())
 

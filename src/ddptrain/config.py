@@ -25,9 +25,7 @@ from typing import Any
 
 import tomllib
 
-
-class ConfigError(ValueError):
-    """Bad input from the user: reported as one line, exit status 2, no training step run."""
+from .errors import ConfigError  # noqa: F401 - also ddptrain.config.ConfigError
 
 
 def _opt(help: str, *, choices: tuple[str, ...] | None = None, alias: str | None = None, **kw: Any) -> Any:
@@ -44,7 +42,7 @@ GLOBAL_DEFAULTS: dict[str, Any] = {
 }
 
 # Settings that change the math of a run: a snapshot taken under other values cannot be
-# resumed as if nothing happened (checkpointer.py compares them).
+# resumed as if nothing happened (snapshots/checkpointer.py compares them).
 MATH_FIELDS = ("task", "seed", "lr", "optimizer", "momentum", "weight_decay", "lr_schedule",
                "warmup_steps", "max_epochs", "global_batch", "grad_accum", "precision",
                "clip_grad", "sync_batchnorm")
@@ -155,10 +153,18 @@ class RunConfig:
                       else getattr(self, k)) for k in GLOBAL_DEFAULTS}
         return dataclasses.replace(self, **filled)
 
+    def global_batch(self, world_size: int) -> int:
+        """Samples per optimizer step over every rank: batch x ranks x accumulation."""
+        return self.batch_size * world_size * self.grad_accum
+
+    def with_run_dir(self) -> RunConfig:
+        """This config with its run dir resolved: the given one, else ``default_run_dir``."""
+        return self if self.run_dir else dataclasses.replace(self, run_dir=default_run_dir(self))
+
     def math_fingerprint(self, world_size: int) -> dict[str, Any]:
         """The settings a snapshot must share with the run that resumes it."""
         values = {k: getattr(self, k) for k in MATH_FIELDS if k != "global_batch"}
-        values["global_batch"] = self.batch_size * world_size * self.grad_accum
+        values["global_batch"] = self.global_batch(world_size)
         if self.lr_schedule == "constant" and self.warmup_steps == 0:
             del values["max_epochs"]  # more epochs only extend a constant schedule
         if not self.sync_batchnorm:

@@ -17,7 +17,7 @@ short last step) gets one stand-in sample with weight 0: it still runs the forwa
 backward every rank runs, so collectives stay matched and nothing hangs.
 
 Evaluation cuts the set into the same consecutive batches for any world size; rank r takes
-batches r, r+W, ... (no padding, no duplicates), so its figures can be exact (metrics.py).
+batches r, r+W, ... (no padding, no duplicates), so its figures can be exact (observe/metrics.py).
 
 Two ways to build batches give bitwise-identical tensors, in training and in evaluation:
 - in-memory fast path: a ``TensorDataset`` (and no ``collate_fn``) is moved to the device

@@ -2,7 +2,7 @@
 
 Everything a step does is in ``_run_batch``; everything an epoch does is in ``_run_epoch``;
 ``fit`` is: restore point -> data -> epochs -> final evaluation -> model.pt. Read them top to
-bottom. When and where snapshots are written is checkpointer.py's business: to it the
+bottom. When and where snapshots are written is snapshots/checkpointer.py's business: to it the
 Trainer is ``state_dict()`` / ``load_state_dict()``.
 """
 
@@ -20,23 +20,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpointer import Checkpointer, Snapshot, adapt_batch
-from .config import ConfigError, RunConfig, default_run_dir
+from .comm import DistContext, apply_step_timeout
+from .config import RunConfig
+from .console import say
 from .data import EvalBatches, MicroBatch, StepSampler, TrainBatches
-from .dist import DistContext, apply_step_timeout
-from .guard import NonFiniteGuard, local_all_finite
-from .metrics import EpochLosses, RankTimings, evaluate, memory_record, model_state_mb, peak_rss_mb, timing_record
+from .errors import ConfigError
+from .observe.metrics import (
+    EpochLosses,
+    RankTimings,
+    evaluate,
+    memory_record,
+    model_state_mb,
+    peak_rss_mb,
+    timing_record,
+)
+from .observe.report import NullReporter, Reporter
 from .optim import build_optimizer, build_scheduler
-from .preemption import StopSignal
-from .report import NullReporter, Reporter, say
-from .snapshot_files import atomic_save, restore_rng
-from .strategy import convert_sync_batchnorm, kept_buffers, make_strategy
+from .parallel import make_strategy
+from .parallel.base import convert_sync_batchnorm, kept_buffers
+from .resilience.guard import NonFiniteGuard, local_all_finite
+from .resilience.stop_signals import StopSignal
+from .snapshots.checkpointer import Checkpointer, Snapshot, adapt_batch
+from .snapshots.files import atomic_save, restore_rng
 from .tasks.protocol import Task, check_pair, check_task, split_loss
-from .watchdog import NullWatchdog
 
 LOSS_DISPLAY_EVERY = 20  # steps between progress-bar loss reads (each read syncs the device)
 GRADIENT_SYNC = "the gradient all-reduce"
-PER_RANK = 5  # figures every rank reports at an epoch's end: 3 timings (metrics.TIMING_NAMES), 2 memory
+PER_RANK = 5  # figures every rank reports at an epoch's end: 3 timings (observe.metrics.TIMING_NAMES), 2 memory
 FORWARD_SYNC = "the forward pass's collective (FSDP's parameter all-gather)"
 BUFFER_SYNC = "the broadcast of rank 0's buffers (BatchNorm's running statistics)"
 COUNT_SYNC = "summing the step's loss counts over the ranks (step_fn returned (sum, count))"
@@ -62,9 +72,9 @@ class Trainer:
         check_task(task, cfg.task)
         self.task, self.ctx, self.device = task, ctx, ctx.device
         cfg = cfg.with_task_defaults(task.defaults)  # lr, optimizer, ... the user left unset
-        self.cfg = cfg if cfg.run_dir else dataclasses.replace(cfg, run_dir=default_run_dir(cfg))
+        self.cfg = cfg.with_run_dir()
         self.run_dir = Path(self.cfg.run_dir)
-        self.watchdog = ctx.watchdog or NullWatchdog()
+        self.watchdog = ctx.watchdog
         self.strategy = make_strategy(cfg, ctx)
         self.module = task.model  # unwrapped: state_dict, evaluation, model.pt
         if cfg.sync_batchnorm:
@@ -72,19 +82,17 @@ class Trainer:
                 raise ConfigError("--sync-batchnorm needs CUDA GPUs (torch's SyncBatchNorm runs on GPUs only); "
                                   "drop it on CPU, where each rank's BatchNorm normalises its own batch")
             self.module = convert_sync_batchnorm(task.model)
-        self.watchdog.arrive("start-up: wrapping the model (rank 0's weights reach every rank)")
-        self.model = self.strategy.wrap(self.module, task)
-        # Small control messages (stop flags, RNG states) travel on CPU: gloo even on NCCL jobs.
-        self.cpu_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else None
-        self.watchdog.depart()
+        with self.watchdog.waiting("start-up: wrapping the model (rank 0's weights reach every rank)"):
+            self.model = self.strategy.wrap(self.module, task)
+            # Small control messages (stop flags, RNG states) travel on CPU: gloo even on NCCL jobs.
+            self.cpu_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else None
         apply_step_timeout(cfg.timeout)
         self.params = params = list(self.model.parameters())
         self.optimizer = task.make_optimizer(params) if task.make_optimizer else build_optimizer(params, cfg)
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16" and self.device.type == "cuda")
         self.progress = Progress()
         self.reporter = Reporter(self.cfg, self.run_dir) if ctx.is_main else NullReporter(self.cfg, self.run_dir)
-        self.checkpointer = Checkpointer(self.cfg, ctx, self.run_dir, self.strategy, self.cpu_group, self.watchdog)
+        self.checkpointer = Checkpointer(self.cfg, ctx, self.run_dir, self.strategy, self.watchdog, self.cpu_group)
         self.timings = RankTimings(params)
         if self.strategy.forward_syncs:  # the forward's own collective ends where the inner forward begins
             self.module.register_forward_pre_hook(lambda *_: self.watchdog.depart())
@@ -206,7 +214,7 @@ class Trainer:
             last = i == len(group) - 1
             sync = contextlib.nullcontext() if last else self.strategy.no_sync(self.model)  # one sync per step
             kept = contextlib.nullcontext() if micro.samples else kept_buffers(self.module)  # a stand-in
-            with sync, kept, self._autocast():
+            with sync, kept, self.strategy.autocast():
                 if self.strategy.forward_syncs:
                     self.watchdog.arrive(FORWARD_SYNC, self.progress.global_step + 1)
                 loss, units = self._loss(batch)
@@ -215,12 +223,12 @@ class Trainer:
                 else:  # a sum over `units` (tokens, say): divided once the step's count is known
                     loss, units = (loss, units) if micro.samples else (loss * 0.0, 0)
                     count = units if count is None else count + units
-            if last:
-                self.watchdog.arrive(GRADIENT_SYNC, self.progress.global_step + 1, timed=False)
-            self.scaler.scale(loss).backward()
-            if last:
-                self.timings.backward_done()
-                self.watchdog.depart()
+            if last:  # the gradient all-reduce happens in this backward
+                with self.watchdog.waiting(GRADIENT_SYNC, self.progress.global_step + 1, timed=False):
+                    self.scaler.scale(loss).backward()
+                    self.timings.backward_done()
+            else:
+                self.scaler.scale(loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None, "a step has at least one micro-batch"
         total = total / self.ctx.world_size if count is None else self._divide_by_count(total, count)
@@ -243,9 +251,8 @@ class Trainer:
         all-reduce. Returns this rank's part of the step's mean loss."""
         count = torch.as_tensor(local_count, dtype=torch.float64, device=self.device).detach().reshape(())
         if self.ctx.world_size > 1:
-            self.watchdog.arrive(COUNT_SYNC, self.progress.global_step + 1)
-            dist.all_reduce(count)
-            self.watchdog.depart()
+            with self.watchdog.waiting(COUNT_SYNC, self.progress.global_step + 1):
+                dist.all_reduce(count)
         count = count.clamp(min=1)
         factor = self.ctx.world_size / count.item()  # a number: FSDP's gradients are DTensors
         for param in self.params:
@@ -258,9 +265,8 @@ class Trainer:
         each evaluation and each save. One rule for DDP and FSDP: rank 0's buffers follow its
         own batches only, so they are what model.pt holds and a resume is exact at any step."""
         if self.strategy.shares_buffers:
-            self.watchdog.arrive(BUFFER_SYNC, step)
-            self.strategy.broadcast_buffers(self.module)
-            self.watchdog.depart()
+            with self.watchdog.waiting(BUFFER_SYNC, step):
+                self.strategy.broadcast_buffers(self.module)
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, Any]:
         """The task's loss of one batch, ``step_fn(model, batch)`` or ``loss_fn(model(inputs),
@@ -299,11 +305,6 @@ class Trainer:
         indices = [int(i) for i in found.group(1).split()] if found else []
         names = [trainable[i] for i in indices if i < len(trainable)] or ["(unnamed)"]
         return _unused_error(names, f"at step {self.progress.global_step}")
-
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.autocast_dtype is None or not self.strategy.autocast:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _gradients(self) -> list[torch.Tensor]:
         if self.scaler.is_enabled():
@@ -357,9 +358,8 @@ class Trainer:
         vector[3 + rank] = self.losses.first_nonfinite_step()
         start = 3 + world + PER_RANK * rank
         vector[start:start + PER_RANK] = torch.tensor(figures, dtype=torch.float64)
-        self.watchdog.arrive("summing the loss over the ranks", self.progress.global_step)
-        dist.all_reduce(vector)
-        self.watchdog.depart()
+        with self.watchdog.waiting("summing the loss over the ranks", self.progress.global_step):
+            dist.all_reduce(vector)
         values = vector.tolist()
         self.guard.check([int(s) for s in values[3:3 + world]], values[2] == 0, self.progress.global_step,
                          self.checkpointer.newest_path())
@@ -377,7 +377,7 @@ class Trainer:
             return {}
         self._share_buffers(self.progress.global_step)  # every rank evaluates what model.pt holds
         model = self.strategy.eval_model(self.module, self.model)
-        result = evaluate(model, self.eval_batches, self.task, self._autocast(), self.ctx.rank,
+        result = evaluate(model, self.eval_batches, self.task, self.strategy.autocast(), self.ctx.rank,
                           self.ctx.world_size, self.watchdog, forward_syncs=self.strategy.forward_syncs)
         return {f"eval_{k}": v for k, v in result.items()}
 
@@ -398,15 +398,14 @@ class Trainer:
         weights = self.strategy.full_model_state(self.module)  # every rank helps under fsdp
         if weights is not None:
             atomic_save(weights, self.run_dir / "model.pt")
-        self.watchdog.arrive("the end: waiting for model.pt")
-        dist.barrier()  # model.pt is complete before any rank reports success
-        self.watchdog.depart()
+        with self.watchdog.waiting("the end: waiting for model.pt"):
+            dist.barrier()  # model.pt is complete before any rank reports success
         self.reporter.finish()
 
     # --- state -----------------------------------------------------------------------------------
     @property
     def global_batch(self) -> int:
-        return self.cfg.batch_size * self.ctx.world_size * self.cfg.grad_accum
+        return self.cfg.global_batch(self.ctx.world_size)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything that makes the next step exactly what it would have been."""

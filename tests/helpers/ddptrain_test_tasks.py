@@ -85,7 +85,7 @@ def kill_while_snapshotting(cfg) -> Task:
     file: half the bytes are in the temporary file when SIGKILL arrives."""
     import io
 
-    import ddptrain.snapshot_files as files
+    import ddptrain.snapshots.files as files
 
     target, marker = int(os.environ["KILL_SNAPSHOT"]), Path(os.environ["KILL_MARKER"])
     real_save, calls = files.atomic_save, {"n": 0}
@@ -111,7 +111,7 @@ def kill_while_snapshotting(cfg) -> Task:
 def kill_during_async_save(cfg) -> Task:
     """digits under fsdp; on the first attempt rank 0 dies while its KILL_SNAPSHOT-th DCP snapshot
     is being committed: every shard is on disk, the folder is still ``.step-N.partial``."""
-    import ddptrain.snapshot_dcp as sharded
+    import ddptrain.snapshots.dcp as sharded
 
     target, marker = int(os.environ["KILL_SNAPSHOT"]), Path(os.environ["KILL_MARKER"])
     real_commit, calls = sharded.commit, {"n": 0}
@@ -308,9 +308,9 @@ def eval_without_samples(cfg) -> Task:
 
 # --- bigger models -------------------------------------------------------------------------------
 def mlp_34m(cfg) -> Task:
-    """The benchmark's ~34M-parameter MLP with AdamW (ddptrain.bench_loops), on 64 samples: 2 steps
+    """The benchmark's ~34M-parameter MLP with AdamW (ddptrain.bench.loops), on 64 samples: 2 steps
     of 16 per rank, as the peak memory comes with the first optimizer step (AdamW's state)."""
-    from ddptrain.bench_loops import mlp34m_task
+    from ddptrain.bench.loops import mlp34m_task
 
     task = mlp34m_task(cfg)
     task.train_set = Subset(task.train_set, range(64))
@@ -396,7 +396,7 @@ def ddp_settings(cfg) -> Task:
 
 def bench_via_dataloader(cfg) -> Task:
     """The benchmark's job (DDPTRAIN_BENCH_JOB) through the DataLoader path (benchmarks/gpu_check.sh)."""
-    from ddptrain.bench_loops import bench_task
+    from ddptrain.bench.loops import bench_task
 
     task = bench_task(cfg)
     task.train_set = PlainDataset(task.train_set)

@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..config import ConfigError, RunConfig
+from ..config import RunConfig
+from ..errors import ConfigError
 from .digits import digits_task, load_digits, stratified_split
 from .protocol import Task, TaskFactory, check_task
 from .regression import regression_data, regression_task

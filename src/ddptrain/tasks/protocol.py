@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 # Tutorial-shaped batches ``(inputs, target)``: the loss of one batch, and metrics that each
 # return the *sum* of a per-sample figure over the batch (e.g. the number of correct

@@ -1,7 +1,7 @@
 """Nothing non-finite is ever saved.
 
 Default: no host synchronisation per step. Each step's loss already lands in the epoch's
-loss slots on the device (metrics.EpochLosses); before every snapshot, evaluation, epoch
+loss slots on the device (observe/metrics.EpochLosses); before every snapshot, evaluation, epoch
 record and ``model.pt`` the ranks reduce "the first step whose loss was not finite" (folded
 into a reduction that happens there anyway) and check their weights. A bad step stops the
 run with one line naming the step, its epoch and the rank(s); the snapshots already on
@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from .failures import NonFiniteError
+from ..errors import NonFiniteError
 
 REMEDY = ("find the bad sample or lower --lr, or pass --skip-nonfinite N to skip such steps "
           "on every rank together")

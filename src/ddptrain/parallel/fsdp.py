@@ -3,7 +3,7 @@
 Each block (``Task.blocks``, else the members of the model's largest ModuleList or
 Sequential) is sharded, then the root: each rank holds 1/W of the parameters, gradients and
 optimizer state, and all-gathers a block's parameters just before it runs. Snapshots are
-DCP folders written by every rank (snapshot_dcp.py); model.pt is gathered for rank 0.
+DCP folders written by every rank (snapshots/dcp.py); model.pt is gathered for rank 0.
 """
 
 from __future__ import annotations
@@ -22,14 +22,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from .config import RunConfig
-from .dist import DistContext
-from .report import say
-from .strategy import DDPStrategy, checkpoint_blocks, find_blocks, no_blocks_error
-from .tasks.protocol import Task
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
+from ..comm import DistContext
+from ..config import RunConfig
+from ..console import say
+from ..tasks.protocol import Task
+from .base import Strategy, checkpoint_blocks, find_blocks, no_blocks_error
+from .precision import autocast_dtype
 
 MMAP_THRESHOLD = 1 << 20  # bytes; glibc's M_MMAP_THRESHOLD is mallopt parameter -3
 
@@ -50,18 +48,19 @@ def return_large_buffers_to_os() -> None:
         pass
 
 
-class FSDPStrategy(DDPStrategy):
-    name = "fsdp"
+class FSDPStrategy(Strategy):
     snapshot_format = "dcp"
 
     def __init__(self, cfg: RunConfig, ctx: DistContext) -> None:
         super().__init__(cfg, ctx)
         self.forward_syncs = True  # every block's forward all-gathers its parameters
-        # --precision is FSDP's mixed-precision policy (parameters cast once per all-gather,
-        # gradients reduced in fp32), not autocast.
-        self.autocast = False
         if ctx.device.type == "cpu":
             return_large_buffers_to_os()
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """--precision is FSDP's mixed-precision policy here (parameters cast once per
+        all-gather, gradients reduced in fp32), not autocast."""
+        return contextlib.nullcontext()
 
     def wrap(self, module: torch.nn.Module, task: Task) -> torch.nn.Module:
         module.to(self.ctx.device)
@@ -76,7 +75,7 @@ class FSDPStrategy(DDPStrategy):
                 raise no_blocks_error("--activation-checkpointing")
             checkpoint_blocks(module, blocks)
             blocks = find_blocks(module, task) if task.blocks is None else blocks
-        dtype = DTYPES.get(self.cfg.precision)
+        dtype = autocast_dtype(self.cfg.precision)
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
         for block in blocks:
             fully_shard(block, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=policy)
@@ -92,9 +91,6 @@ class FSDPStrategy(DDPStrategy):
             yield
         finally:
             module.set_requires_gradient_sync(True)
-
-    def eval_model(self, module: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
-        return module  # sharded: its forward all-gathers, so every rank runs the same number
 
     def load_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
                    whole: bool) -> None:

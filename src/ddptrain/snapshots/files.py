@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError
+from ..errors import SnapshotError
 
 FORMAT_VERSION = 2
 _NAME = re.compile(r"^step-(\d{9})(\.pt)?$")  # a file (one rank wrote it) or a DCP folder (sharded)
@@ -31,10 +31,6 @@ REQUIRED = {
 }
 WEIGHTS = {"model": dict, "optimizer": dict}  # in a file; a DCP folder holds them as shards
 PROGRESS = ("epoch", "step_in_epoch", "global_step")
-
-
-class SnapshotError(ConfigError):
-    """A snapshot cannot be used: one line naming the file and the problem."""
 
 
 def snapshot_dir(run_dir: str | os.PathLike[str]) -> Path:
@@ -112,21 +108,26 @@ def cpu_copy(obj: Any) -> Any:
     return obj
 
 
-class SnapshotWriter:
-    """One background thread that commits snapshots in order; errors surface on ``wait``."""
+class BackgroundWrite:
+    """The one write in flight (a future); its error surfaces on ``wait``."""
 
-    def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-snapshot")
-        self.pending: Future[Path] | None = None
-
-    def submit(self, state: dict[str, Any], directory: Path, keep: int) -> None:
-        self.wait()
-        self.pending = self.pool.submit(write_snapshot, state, directory, keep)
+    pending: Future[Any] | None = None
 
     def wait(self) -> None:
         if self.pending is not None:
             pending, self.pending = self.pending, None
             pending.result()
+
+
+class SnapshotWriter(BackgroundWrite):
+    """One background thread that commits snapshot files in order."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-snapshot")
+
+    def submit(self, state: dict[str, Any], directory: Path, keep: int) -> None:
+        self.wait()
+        self.pending = self.pool.submit(write_snapshot, state, directory, keep)
 
     def close(self, wait: bool = True) -> None:
         """Finish the write in flight (``wait``), or leave it to the process's end (after a

@@ -1,11 +1,12 @@
-"""How the model is spread over the ranks, and how its state is read and written.
+"""What every strategy shares: the blocks of a model, buffers shared from rank 0, state read
+and written through torch.distributed.checkpoint's state dicts, autocast precision.
 
-- ``ddp``: every rank holds the whole model; DDP all-reduces gradients in buckets during
-  backward. Snapshots are one file written by rank 0.
-- ``fsdp`` (fsdp.py): FSDP2's ``fully_shard`` on each block, then the root; each rank
-  holds a shard of parameters, gradients and optimizer state. Snapshots are DCP folders.
-
-Both can recompute activations in backward (``--activation-checkpointing``) and compile.
+The strategies (``make_strategy`` in this package's ``__init__``):
+- ``ddp`` (ddp.py): every rank holds the whole model; DDP all-reduces gradients in buckets
+  during backward. Snapshots are one file written by rank 0.
+- ``fsdp`` (fsdp.py): FSDP2's ``fully_shard`` on each block, then the root; each rank holds a
+  shard of parameters, gradients and optimizer state. Snapshots are DCP folders.
+Each imports this module only.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .config import ConfigError, RunConfig
-from .dist import DistContext
-from .hooks import register_comm_hook
-from .tasks.protocol import Task
+from ..comm import DistContext
+from ..config import RunConfig
+from ..errors import ConfigError
+from ..tasks.protocol import Task
+from .precision import autocast_dtype
 
 
 def find_blocks(model: torch.nn.Module, task: Task) -> list[torch.nn.Module]:
@@ -69,41 +70,28 @@ def no_blocks_error(what: str) -> ConfigError:
                        "name them with Task.blocks = lambda model: [...]")
 
 
-class DDPStrategy:
-    name = "ddp"
-    snapshot_format = "file"
+class Strategy:
+    """The base: a replicated model whose state every rank holds whole."""
+
+    snapshot_format = "file"  # one file by rank 0; "dcp": a folder every rank writes its shards to
 
     def __init__(self, cfg: RunConfig, ctx: DistContext) -> None:
         self.cfg, self.ctx = cfg, ctx
         self.forward_syncs = False  # whether the forward pass itself holds a collective
-        self.autocast = True  # --precision is autocast (fsdp: a mixed-precision policy instead)
         self.shares_buffers = False  # the model has buffers and other ranks to share them with
-        self.needs_every_gradient = False  # DDP fails a step when a parameter got no gradient
+        self.needs_every_gradient = False  # a step fails when a parameter got no gradient (DDP)
 
     def wrap(self, module: torch.nn.Module, task: Task) -> torch.nn.Module:
-        """DDP across ranks. One rank has nobody to talk to: DDP would only add its overhead."""
-        module.to(self.ctx.device)
-        self.shares_buffers = self.ctx.world_size > 1 and any(True for _ in module.buffers())
-        if self.cfg.activation_checkpointing:
-            blocks = find_blocks(module, task)
-            if not blocks:
-                raise no_blocks_error("--activation-checkpointing")
-            checkpoint_blocks(module, blocks)
-        model = torch.compile(module) if self.cfg.compile else module
-        if self.ctx.world_size == 1:
-            return model
-        ddp = DDP(
-            model,
-            device_ids=[self.ctx.device] if self.ctx.device.type == "cuda" else None,
-            gradient_as_bucket_view=True,
-            forward_sync_buffers=False,  # the Trainer shares rank 0's buffers once per step (broadcast_buffers)
-            static_graph=self.cfg.static_graph,
-            find_unused_parameters=self.cfg.find_unused_parameters,
-            **({"bucket_cap_mb": self.cfg.bucket_cap_mb} if self.cfg.bucket_cap_mb else {}),
-        )
-        register_comm_hook(ddp, self.cfg.comm_hook)
-        self.needs_every_gradient = not (self.cfg.find_unused_parameters or self.cfg.static_graph)
-        return ddp
+        raise NotImplementedError
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Accumulation micro-batches before the last: gradients stay local."""
+        return contextlib.nullcontext()
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """``--precision bf16|fp16`` as autocast around the forward pass and the loss."""
+        dtype = autocast_dtype(self.cfg.precision)
+        return torch.autocast(self.ctx.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
     def broadcast_buffers(self, module: torch.nn.Module) -> None:
         """Rank 0's buffers to every rank: one broadcast per dtype. (What DDP's own
@@ -119,18 +107,15 @@ class DDPStrategy:
                     for buffer, value in zip(buffers, _unflatten_dense_tensors(flat, buffers)):
                         buffer.copy_(value)
 
-    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
-        """Accumulation micro-batches before the last: gradients stay local (DDP's no_sync)."""
-        return model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext()
-
     def eval_model(self, module: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
-        """Evaluation runs the unwrapped module: no DDP hooks, no collectives in forward."""
+        """Evaluation runs the unwrapped module (no DDP hooks; sharded under fsdp, whose forward
+        all-gathers, so every rank runs the same number of batches)."""
         return module
 
     # --- state ----------------------------------------------------------------------------
-    # Both strategies speak torch.distributed.checkpoint's state dicts: parameter names as
+    # Every strategy speaks torch.distributed.checkpoint's state dicts: parameter names as
     # keys, the optimizer's state keyed by parameter name too. So a snapshot written under
-    # one strategy (one file of whole tensors, or a DCP folder of shards) loads under the other.
+    # one strategy (one file of whole tensors, or a DCP folder of shards) loads under another.
     def state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The model's and the optimizer's state (never called before the first step: see
         Trainer._save; on a fresh optimizer torch initialises its state with a zero step)."""
@@ -148,10 +133,3 @@ class DDPStrategy:
         if not self.ctx.is_main:
             return None
         return {k: v.detach().cpu() for k, v in module.state_dict().items()}
-
-
-def make_strategy(cfg: RunConfig, ctx: DistContext) -> Any:
-    if cfg.strategy == "fsdp":
-        from .fsdp import FSDPStrategy
-        return FSDPStrategy(cfg, ctx)
-    return DDPStrategy(cfg, ctx)

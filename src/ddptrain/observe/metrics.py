@@ -22,10 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError
-from .data import EvalBatches
-from .dist import broadcast_object
-from .tasks.protocol import Task, check_pair
+from ..comm import CollectiveMarks, broadcast_object
+from ..data import EvalBatches
+from ..errors import ConfigError
+from ..tasks.protocol import Task, check_pair
+
+NO_MARKS = CollectiveMarks()
 
 
 class EpochLosses:
@@ -62,7 +64,7 @@ class EpochLosses:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: EvalBatches, task: Task, autocast: Any = None,
-             rank: int = 0, world_size: int = 1, watchdog: Any = None,
+             rank: int = 0, world_size: int = 1, watchdog: CollectiveMarks = NO_MARKS,
              forward_syncs: bool = False) -> dict[str, float]:
     """``{"loss": …, <metric>: …, "samples": n}`` over the whole set, exact for any world size.
     ``forward_syncs``: the model's forward holds a collective (sharded): marked for the
@@ -71,7 +73,7 @@ def evaluate(model: torch.nn.Module, batches: EvalBatches, task: Task, autocast:
     was_training = model.training
     model.eval()
     for batch_no, batch in batches:
-        if forward_syncs and watchdog is not None:
+        if forward_syncs:  # ends in the model's forward pre-hook (see Trainer)
             watchdog.arrive("an evaluation forward (FSDP's parameter all-gather)")
         with autocast or contextlib.nullcontext():
             sums = _batch_sums(model, batch, task)
@@ -85,11 +87,8 @@ def evaluate(model: torch.nn.Module, batches: EvalBatches, task: Task, autocast:
         _check_names(sums, names)
         table[batch_no] = torch.stack([torch.as_tensor(sums[n], device=device).double() for n in [*names, "samples"]])
     if world_size > 1:
-        if watchdog is not None:
-            watchdog.arrive("evaluation: sum of every rank's figures")
-        dist.all_reduce(table)
-        if watchdog is not None:
-            watchdog.depart()
+        with watchdog.waiting("evaluation: sum of every rank's figures"):
+            dist.all_reduce(table)
     totals = table.cpu().sum(dim=0).tolist()  # rows added in batch order on every rank
     samples = totals[-1]
     result = {name: total / samples for name, total in zip(names, totals)}

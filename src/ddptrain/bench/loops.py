@@ -10,7 +10,7 @@ Every contender seeds the same model, trains on the same samples in the same ord
 (DistributedSampler, seed 0, batch 32 per rank, SGD lr 1e-3, MSE) and rank 0 saves the final
 weights to ``OUT/model.pt``, so the benchmark can check they all ended at the same loss.
 
-    python -m ddptrain.bench_loops --loop loop --job tutorial --nproc 2 --epochs 3 --out DIR
+    python -m ddptrain.bench.loops --loop loop --job tutorial --nproc 2 --epochs 3 --out DIR
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from .tasks.protocol import Task
-from .tasks.regression import regression_data
+from ..tasks.protocol import Task
+from ..tasks.regression import regression_data
 
 # job -> (samples, hidden width or 0 for the tutorial's Linear(20, 1))
 JOBS = {"tutorial": (2048, 0), "mlp": (8192, 1024)}
@@ -49,7 +49,7 @@ def job_data(job: str) -> TensorDataset:
 
 
 def bench_task(cfg: Any) -> Task:
-    """The job named by DDPTRAIN_BENCH_JOB as a ddptrain task (``--task ddptrain.bench_loops:bench_task``)."""
+    """The job named by DDPTRAIN_BENCH_JOB as a ddptrain task (``--task ddptrain.bench.loops:bench_task``)."""
     job = os.environ.get("DDPTRAIN_BENCH_JOB", "tutorial")
     return Task(model=job_model(job), train_set=job_data(job), loss_fn=F.mse_loss, defaults={"lr": LR})
 
@@ -96,7 +96,7 @@ def _loop_rank(rank: int, world: int, job: str, epochs: int, out: str) -> None:
 def run_loop(job: str, nproc: int, epochs: int, out: str) -> None:
     import torch.multiprocessing as mp
 
-    from .dist import free_port
+    from ..comm import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     mp.spawn(_loop_rank, args=(nproc, job, epochs, out), nprocs=nproc)

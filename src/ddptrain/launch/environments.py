@@ -12,7 +12,7 @@ import re
 import socket
 from collections.abc import Mapping
 
-from .config import ConfigError
+from ..errors import ConfigError
 
 
 class Environment:
@@ -189,7 +189,7 @@ class SlurmEnvironment(Environment):
 
 
 class LocalEnvironment(Environment):
-    """No launcher: ddptrain starts the ranks itself (launch.py)."""
+    """No launcher: ddptrain starts the ranks itself (launch/local.py)."""
 
     name = "local"
 

@@ -1,7 +1,7 @@
 """``ddptrain bench``: ddptrain against a hand-written DDP loop (and, with ``--peers``,
 Lightning and Accelerate) on the same jobs, side by side in one run.
 
-Every measurement is a whole command, started the way its users start it (bench_loops.py).
+Every measurement is a whole command, started the way its users start it (bench/loops.py).
 Per repetition and job, each contender runs a 1-epoch command and a (1+E)-epoch command:
 the first's wall is what a user waits for a short job, and samples/s is the extra samples
 divided by the extra wall (so start-up cancels out, and everything per epoch counts: ddptrain's
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .bench_loops import JOBS, SMOKE_SAMPLES, final_loss
+from .loops import JOBS, SMOKE_SAMPLES, final_loss
 
 # ddptrain-skip: ddptrain with --skip-nonfinite 1, the non-finite guard's per-step mode (a check and
 # a one-element all-reduce every step); ddptrain's default guard costs no per-step work.
@@ -36,10 +36,10 @@ PEERS = ("lightning", "accelerate")
 def command(contender: str, job: str, nproc: int, epochs: int, out: str) -> list[str]:
     python = sys.executable
     if contender.startswith("ddptrain"):
-        return [python, "-m", "ddptrain", "train", "--task", "ddptrain.bench_loops:bench_task", "--nproc", str(nproc),
+        return [python, "-m", "ddptrain", "train", "--task", "ddptrain.bench.loops:bench_task", "--nproc", str(nproc),
                 "--max-epochs", str(epochs), "--batch-size", "32", "--run-dir", out, "--resume", "never",
                 "--no-progress", *(["--skip-nonfinite", "1"] if contender == "ddptrain-skip" else [])]
-    loop = ["-m", "ddptrain.bench_loops", "--loop", contender, "--job", job, "--epochs", str(epochs), "--out", out]
+    loop = ["-m", "ddptrain.bench.loops", "--loop", contender, "--job", job, "--epochs", str(epochs), "--out", out]
     if contender == "accelerate":  # Accelerate's multi-process CPU runs are torchrun's (it sets the world size)
         return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *loop]
     return [python, *loop, "--nproc", str(nproc)]

@@ -25,17 +25,18 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from . import tasks
-from .config import ConfigError, RunConfig
-from .dist import connect_store, hosts_store, joined, resolve_device_kind
+from .. import tasks
+from ..config import RunConfig
+from ..console import say
+from ..errors import ConfigError, PeerFailed
+from ..resilience.failures import hard_exit, record_error
+from ..resilience.hold import RunDirHold, job_id
+from ..resilience.stop_signals import PREEMPTED_EXIT_CODE
+from ..resilience.watchdog import NullWatchdog, Watchdog
+from ..tasks.protocol import TaskFactory
+from ..trainer import Trainer
 from .environments import detect
-from .failures import PeerFailed, hard_exit, record_error
-from .hold import RunDirHold, job_id
-from .preemption import PREEMPTED_EXIT_CODE
-from .report import say
-from .tasks.protocol import TaskFactory
-from .trainer import Trainer
-from .watchdog import NullWatchdog, Watchdog
+from .group import connect_store, hosts_store, joined, resolve_device_kind
 
 # What a rank returns: (status, message). The launcher prints rank 0's message.
 Outcome = tuple[str, str]
@@ -167,7 +168,7 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
                              f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
         raise
     watchdog.stop()
-    Path(run_dir / "pids" / f"rank-{env.rank}.pid").unlink(missing_ok=True)
+    pid_file(run_dir, env.rank).unlink(missing_ok=True)
     if _hold is not None:
         _hold.release()
     return status, outcome_message(status, cfg)
@@ -221,11 +222,14 @@ def check_batch_fits(dataset_len: int, world_size: int, batch_size: int) -> None
                           f"--batch-size {share} or less")
 
 
-def write_pid_file(run_dir: Path, rank: int) -> Path:
+def pid_file(run_dir: Path, rank: int) -> Path:
     """``RUN_DIR/pids/rank-N.pid``: which process is rank N (to signal it, or find it)."""
-    folder = run_dir / "pids"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"rank-{rank}.pid"
+    return run_dir / "pids" / f"rank-{rank}.pid"
+
+
+def write_pid_file(run_dir: Path, rank: int) -> Path:
+    path = pid_file(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"{os.getpid()}\n")
     return path
 

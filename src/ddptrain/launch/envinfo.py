@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import __version__
+from .. import __version__
 from .environments import detect
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",

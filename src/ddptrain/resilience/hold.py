@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError
+from ..errors import ConfigError
 
 HOLD_FILE = ".hold"
 HEARTBEAT_S = 10.0

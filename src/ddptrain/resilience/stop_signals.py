@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..comm import CollectiveMarks
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # Exit status of a rank that stopped on a signal after saving its snapshot (128 + SIGTERM,
 # the shell's "terminated"): launchers and schedulers see the job as unfinished.
@@ -44,11 +46,11 @@ NOTHING = Decision(False, False)
 
 class StopSignal:
     def __init__(self, group: Any = None, snapshot_due: Callable[[], bool] | None = None,
-                 watchdog: Any = None) -> None:
+                 watchdog: CollectiveMarks | None = None) -> None:
         """``group``: a gloo process group (None: the default group, which must be gloo).
         ``snapshot_due``: rank 0's clock; other ranks pass None."""
         self.requested = False
-        self.group, self.snapshot_due, self.watchdog = group, snapshot_due, watchdog
+        self.group, self.snapshot_due, self.watchdog = group, snapshot_due, watchdog or CollectiveMarks()
         self.message = torch.zeros(3)
         self.pending: Any = None
         self.interval, self.next_check = 1, 1
@@ -68,11 +70,8 @@ class StopSignal:
             return NOTHING
         decision = NOTHING
         if self.pending is not None:
-            if self.watchdog is not None:
-                self.watchdog.arrive("the periodic stop/snapshot agreement", self.steps)
-            self.pending.wait()
-            if self.watchdog is not None:
-                self.watchdog.depart()
+            with self.watchdog.waiting("the periodic stop/snapshot agreement", self.steps):
+                self.pending.wait()
             decision = Decision(bool(self.message[0].item()), bool(self.message[1].item()))
             self.interval = max(1, int(-self.message[2].item()))  # the smallest proposal
         now = time.perf_counter()
@@ -91,6 +90,12 @@ class StopSignal:
         if self.pending is not None and wait:
             self.pending.wait()
         self.pending = None
-        for sig, handler in self.replaced.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        restore_handlers(self.replaced)
         self.replaced.clear()
+
+
+def restore_handlers(saved: dict[Any, Any]) -> None:
+    """Put back signal handlers saved with ``signal.getsignal`` (None, for a handler set outside
+    Python, becomes the default)."""
+    for sig, handler in saved.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)

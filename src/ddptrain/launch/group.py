@@ -5,7 +5,7 @@ device and backend follow what the machine has, and the address comes from the l
 
 The rank connects to the job's key-value store (the TCPStore that ``init_process_group``
 would create) *before* it builds its task, and the process group is built on that store.
-The watchdog (watchdog.py) uses its own connection to the same store from the first second
+The watchdog (resilience/watchdog.py) uses its own connection to the same store from the first second
 of a rank's life, so a rank that hangs or fails during start-up is noticed and named too.
 """
 
@@ -13,46 +13,18 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError
+from ..comm import BACKSTOP_EXTRA_S, CollectiveMarks, DistContext
+from ..errors import ConfigError
 from .environments import Environment, TorchrunEnvironment, detect
 
-# torch's own collective timeout is a backstop behind the watchdog, which acts at --timeout
-# and names the rank that did not arrive; torch's error would blame the rank that waited.
-BACKSTOP_EXTRA_S = 60.0
-SETTLE_S = 0.1
-
-
-@dataclass(frozen=True)
-class DistContext:
-    """This rank's place in the job, as the trainer needs it."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    device: torch.device
-    backend: str
-    watchdog: Any = None  # watchdog.Watchdog: marks collectives, names ranks that hang
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def tag(self) -> str:
-        """The tutorial's ``[GPU:0]`` / ``[CPU:1]`` prefix."""
-        kind = "GPU" if self.device.type == "cuda" else "CPU"
-        return f"[{kind}:{self.rank}]"
+SETTLE_S = 0.1  # seconds gloo's threads get to let go of the last collective (settle_gloo)
 
 
 def cuda_count() -> int:
@@ -122,23 +94,20 @@ def init_device(device_kind: str, env: Environment) -> torch.device:
 
 @contextmanager
 def joined(env: Environment, device_kind: str, backend: str, timeout_s: float, store: dist.Store,
-           watchdog: Any = None) -> Iterator[DistContext]:
+           watchdog: CollectiveMarks) -> Iterator[DistContext]:
     """Join the job's process group on ``store`` for the duration of the block.
 
     On success every rank leaves the group. After an error it is left as it is: tearing
     down a group whose peer died can block forever (gloo waits for the peer's half of a
-    pending operation), and a failed rank exits at once anyway (worker.py)."""
+    pending operation), and a failed rank exits at once anyway (launch/rank.py)."""
     device = init_device(device_kind, env)
     env.export()
-    if watchdog is not None:
-        watchdog.arrive("start-up: joining the process group")
-    dist.init_process_group(
-        backend=backend, store=dist.PrefixStore("default_pg", store), rank=env.rank,
-        world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s + BACKSTOP_EXTRA_S),
-        device_id=device if device_kind == "cuda" else None,
-    )
-    if watchdog is not None:
-        watchdog.depart()
+    with watchdog.waiting("start-up: joining the process group"):
+        dist.init_process_group(
+            backend=backend, store=dist.PrefixStore("default_pg", store), rank=env.rank,
+            world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s + BACKSTOP_EXTRA_S),
+            device_id=device if device_kind == "cuda" else None,
+        )
     yield DistContext(env.rank, env.world_size, env.local_rank, env.local_world_size, device, backend, watchdog)
     dist.destroy_process_group()  # not reached after an error: see above
 
@@ -159,7 +128,7 @@ def process_group(rank: int | None = None, world_size: int | None = None, *, dev
                                    "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
                                    "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
                                    "MASTER_PORT": os.environ.get("MASTER_PORT", "29500")})
-    from .watchdog import Watchdog
+    from ..resilience.watchdog import Watchdog
 
     env.validate()
     device_kind, backend = resolve_device_kind(device, backend, env.local_world_size)
@@ -188,22 +157,3 @@ def settle_gloo() -> None:
     time.sleep(SETTLE_S)
 
 
-def apply_step_timeout(timeout_s: float) -> None:
-    """After start-up, torch's own timeout backs up the watchdog at the configured value."""
-    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    if setter is not None:  # private in torch 2.x; without it the start-up timeout stays
-        setter(datetime.timedelta(seconds=timeout_s + BACKSTOP_EXTRA_S))
-
-
-def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
-    """``obj`` from rank ``src``, on every rank (the argument is ignored elsewhere)."""
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=src, group=group)
-    return holder[0]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (for MASTER_PORT with mp.spawn)."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]

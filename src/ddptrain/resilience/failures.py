@@ -20,37 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError, NonFiniteError, PeerFailed, PeerStuck, RankStuck, SnapshotError, StorageNotShared
 
-class PeerFailed(RuntimeError):
-    """This rank was fine: it stopped because another rank failed."""
-
-
-class RankStuck(RuntimeError):
-    """This rank did not reach a collective the others were waiting in (a hang's culprit)."""
-
-
-class PeerStuck(RuntimeError):
-    """This rank waited in a collective for a rank that never arrived."""
-
-
-class StorageNotShared(RuntimeError):
-    """A rank cannot see a file rank 0 wrote: the run dir is not on storage every node shares."""
-
-    def __init__(self, rank: int, path: str | os.PathLike[str]) -> None:
-        super().__init__(f"rank {rank} cannot see snapshot {path} written by rank 0: put --run-dir "
-                         "on storage every node shares")
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or the weights stopped being finite; nothing non-finite was saved."""
-
-
-SECONDARY = ("PeerFailed", "PeerStuck")
+# A rank's error arrives as text ("ExceptionType: message", torch's error file): matched by
+# the classes' names.
+SECONDARY = (PeerFailed.__name__, PeerStuck.__name__)
+STUCK = (RankStuck.__name__, PeerStuck.__name__)
 # torch's exception in a rank that the launcher terminated (after another rank ended) before
 # the rank heard of the failure itself: never the cause while a real error exists.
 TERMINATED = "SignalException"
 # Reported as one line "ddptrain: error: ..." (no traceback); the value is the exit status.
-ONE_LINE = {"ConfigError": 2, "SnapshotError": 2, "StorageNotShared": 2, "NonFiniteError": 1}
+ONE_LINE = {ConfigError.__name__: 2, SnapshotError.__name__: 2, StorageNotShared.__name__: 2,
+            NonFiniteError.__name__: 1}
 # What a rank sees when its peer has died: the peer is the cause, not this rank.
 LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ECONNRESET",
              "Socket closed", "Connection refused")
@@ -148,7 +129,7 @@ def failure_report(failure: Any, nproc: int, run_dir: Path) -> tuple[str, int]:
     attempt_dir = _attempt_dir(reported.error_file, run_dir)
     errors = read_error_files(attempt_dir) if attempt_dir else {}
     killed = {rank: _signal_name(f.exitcode) for rank, f in failure.failures.items() if f.exitcode < 0}
-    if any(e.kind in ("RankStuck", "PeerStuck") for e in errors.values()):
+    if any(e.kind in STUCK for e in errors.values()):
         return _hang_report(errors, run_dir), 1
     cause = root_cause(errors, killed)
     if isinstance(cause, int):
@@ -159,7 +140,7 @@ def failure_report(failure: Any, nproc: int, run_dir: Path) -> tuple[str, int]:
                 "no error report\n" + str(failure)), 1
     elif cause.kind in ONE_LINE:
         return f"ddptrain: error: {cause.text}", ONE_LINE[cause.kind]
-    elif cause.kind == "PeerFailed" and "reported a configuration error: " in cause.text:
+    elif cause.kind == PeerFailed.__name__ and "reported a configuration error: " in cause.text:
         message = cause.text.split("reported a configuration error: ", 1)[1]
         return f"ddptrain: error: {message.split(': ', 1)[-1]}", 2
     else:
@@ -192,7 +173,7 @@ def _hang_report(errors: dict[int, RankError], run_dir: Path) -> str:
     summary = run_dir / "logs" / "hang.txt"
     if summary.is_file():
         return summary.read_text().rstrip()
-    stuck = [e for e in errors.values() if e.kind == "RankStuck"]
+    stuck = [e for e in errors.values() if e.kind == RankStuck.__name__]
     return "\n".join(f"ddptrain: {e.text}" for e in stuck) or "ddptrain: a rank hung (no summary was written)"
 
 

@@ -24,12 +24,14 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from .config import ConfigError, RunConfig
-from .dist import cuda_count
+from ..config import RunConfig
+from ..errors import ConfigError, LaunchFailed
+from ..resilience.failures import failure_report
+from ..resilience.stop_signals import restore_handlers
+from ..tasks.protocol import TaskFactory
 from .environments import LocalEnvironment
-from .failures import failure_report
-from .tasks.protocol import TaskFactory
-from .worker import Outcome, rank_entry
+from .group import cuda_count
+from .rank import Outcome, rank_entry
 
 # The elastic agent installs handlers for these in the launching process and leaves them.
 AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -40,14 +42,6 @@ QUIETED_LOGGERS = {
     "torch.distributed.elastic.agent.server.api": logging.ERROR,
     "torch.multiprocessing.spawn": logging.ERROR,
 }
-
-
-class LaunchFailed(RuntimeError):
-    """A rank failed (or hung); the message is the report the command line prints."""
-
-    def __init__(self, report: str, exit_code: int) -> None:
-        super().__init__(report)
-        self.exit_code = exit_code
 
 
 def auto_nproc(device: str) -> int:
@@ -93,8 +87,7 @@ def launcher_scope(**variables: str) -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        restore_handlers(handlers)
         for name, logger in loggers.items():
             logger.setLevel(levels[name])
 

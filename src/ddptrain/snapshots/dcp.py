@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from . import snapshot_files as files
+from . import files
 
 META = "meta.pt"
 
@@ -48,13 +48,12 @@ def commit(future: Future[Any], meta: dict[str, Any], partial: Path, final: Path
     return final
 
 
-class DCPWriter:
+class DCPWriter(files.BackgroundWrite):
     """Every rank: an asynchronous DCP save per snapshot; rank 0 also commits it."""
 
     def __init__(self, group: Any, is_main: bool) -> None:
         self.group, self.is_main = group, is_main
         self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-dcp") if is_main else None
-        self.pending: Future[Any] | None = None
 
     def submit(self, shards: dict[str, Any], meta: dict[str, Any] | None, directory: Path, step: int,
                keep: int) -> None:
@@ -66,11 +65,6 @@ class DCPWriter:
             self.pending = self.committer.submit(commit, saved, meta or {}, partial, final, keep)
         else:
             self.pending = saved
-
-    def wait(self) -> None:
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.result()
 
     def close(self, wait: bool = True) -> None:
         if wait:

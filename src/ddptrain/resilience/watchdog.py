@@ -1,6 +1,6 @@
 """Every rank's watchdog: fail fast when a peer fails, and name the rank that hangs.
 
-A thread per rank talks to the job's store (its own connection, see dist.connect_store):
+A thread per rank talks to the job's store (its own connection, see launch/group.connect_store):
 
 - **Heartbeat.** The training loop marks each collective it enters (``arrive``) and leaves
   (``depart``): plain attribute writes, nothing on the step's path waits. The thread
@@ -30,13 +30,16 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from .failures import PeerFailed, PeerStuck, RankStuck, hard_exit, record_error
-from .report import say
+from ..comm import CollectiveMarks
+from ..console import say
+from ..errors import PeerFailed, PeerStuck, RankStuck
+from .failures import hard_exit, record_error
 
 PERIOD_S = 0.5  # how often each rank publishes and looks for a verdict
 STACK_WAIT_S = 5.0  # how long the judge waits for the culprits' stacks
@@ -46,7 +49,7 @@ LINGER_S = 2.0  # the store's host waits this long at most for the other ranks t
 INNERMOST_FRAMES = 8
 
 
-class Watchdog:
+class Watchdog(CollectiveMarks):
     """Started before the task is built; stopped when the rank's work is done."""
 
     def __init__(self, env: Any, timeout_s: float, run_dir: str | os.PathLike[str] | None,
@@ -66,7 +69,7 @@ class Watchdog:
         self.acting = threading.Event()  # the thread is acting on a verdict: it ends the process
         self.store: Any = None
         self.thread: threading.Thread | None = None
-        self.seen: dict[int, tuple[Any, float]] = {}  # the judge's view: rank -> (state, since)
+        self.seen: dict[int, tuple[Heartbeat | None, float]] = {}  # the judge's view: rank -> (beat, since)
 
     # --- called by the training loop -------------------------------------------------------
     def arrive(self, label: str, step: int | None = None, timed: bool = True) -> None:
@@ -139,7 +142,7 @@ class Watchdog:
         """Tell every rank that this one failed. True if it is the first failure of the job."""
         if self.store is None:
             return True
-        from .config import ConfigError
+        from ..errors import ConfigError
 
         kind = "config_error" if isinstance(error, ConfigError) else "failed"
         message = f"{type(error).__name__}: {error}".splitlines()[0][:500]
@@ -158,7 +161,8 @@ class Watchdog:
         published = None
         while not self.finished.wait(self.period_s):
             try:
-                state = f"{self.arrivals}|{int(self.inside)}|{self.step}|{self.label}"
+                where = self.label if self.step is None else f"{self.label} (step {self.step})"
+                state = Heartbeat(self.arrivals, self.inside, where).encode()
                 if state != published:
                     self.store.set(self._key(f"hb/{self.rank}"), state)
                     published = state
@@ -199,35 +203,22 @@ class Watchdog:
         self.exit_process(1)
 
     # --- hang judgement (rank 0) -----------------------------------------------------------
-    def _states(self) -> dict[int, tuple[int, bool, str] | None]:
+    def _heartbeats(self) -> dict[int, Heartbeat | None]:
         keys = [self._key(f"hb/{r}") for r in range(self.world_size)]
         if self.store.check(keys):
             values = self.store.multi_get(keys)
         else:
             values = [self.store.get(k) if self.store.check([k]) else None for k in keys]
-        states = {}
-        for rank, value in enumerate(values):
-            if value is None:
-                states[rank] = None
-                continue
-            arrivals, inside, step, label = value.decode().split("|", 3)
-            states[rank] = (int(arrivals), inside == "1", label if step == "None" else f"{label} (step {step})")
-        return states
+        return {rank: None if value is None else Heartbeat.decode(value.decode()) for rank, value in enumerate(values)}
 
     def _judge(self) -> None:
         now = time.monotonic()
-        states = self._states()
-        for rank, state in states.items():
-            if rank not in self.seen or self.seen[rank][0] != state:
-                self.seen[rank] = (state, now)
-        waiting = sorted(r for r, (s, since) in self.seen.items() if s and s[1] and now - since > self.timeout_s)
-        if not waiting:
+        for rank, beat in self._heartbeats().items():
+            if rank not in self.seen or self.seen[rank][0] != beat:
+                self.seen[rank] = (beat, now)
+        verdict = judge_hang(self.seen, now, self.timeout_s)
+        if verdict is None:
             return
-        top = max(states[r][0] for r in waiting)
-        culprits = [r for r, s in states.items()
-                    if s is None or s[0] < top or (s[0] == top and not s[1])]
-        verdict = {"kind": "hang", "rank": 0, "culprits": culprits, "waiting": waiting,
-                   "label": states[waiting[0]][2], "message": "hang"}
         self.acting.set()  # from now on this thread ends the process, not the main thread
         won = self.store.compare_set(self._key("verdict"), "", json.dumps(verdict))
         self._act_on(json.loads(won))
@@ -237,7 +228,8 @@ class Watchdog:
         self.store.set(self._key(f"stack/{self.rank}"), stack)
         culprit = self.rank in verdict["culprits"]
         if self.rank == 0:
-            summary = self._hang_summary(verdict)
+            stacks_dir = self.run_dir / "logs" / "stacks" if self.run_dir is not None else None
+            summary = hang_summary(verdict, self._culprit_stacks(verdict["culprits"]), self.timeout_s, stacks_dir)
             if self.run_dir is not None:
                 (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
                 (self.run_dir / "logs" / "hang.txt").write_text(summary + "\n")
@@ -264,28 +256,70 @@ class Watchdog:
         frames = traceback.extract_stack(frame)[-INNERMOST_FRAMES:]
         return "".join(traceback.format_list(frames)).rstrip()
 
-    def _hang_summary(self, verdict: dict[str, Any]) -> str:
-        culprits, waiting = verdict["culprits"], verdict["waiting"]
-        where = f"{verdict['label']}"
-        if not culprits:
-            return (f"ddptrain: every rank waits in {where} for more than --timeout {self.timeout_s:g} s: "
-                    "the collective itself does not complete (network, backend or a device problem)")
-        names = ", ".join(map(str, culprits))
-        lines = [f"ddptrain: rank {names} did not reach {where} within --timeout {self.timeout_s:g} s; "
-                 f"rank {', '.join(map(str, waiting))} waited there."]
+    def _culprit_stacks(self, culprits: list[int]) -> dict[int, str | None]:
+        """Each culprit's innermost frames from the store (None: it did not answer in time)."""
+        stacks: dict[int, str | None] = {}
         deadline = time.monotonic() + STACK_WAIT_S
         for rank in culprits:
             key = self._key(f"stack/{rank}")
             while not self.store.check([key]) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if self.store.check([key]):
-                lines += [f"ddptrain: rank {rank} was in (innermost call last):", self.store.get(key).decode()]
-            else:
-                lines.append(f"ddptrain: rank {rank} did not answer: it never started, or its Python "
-                             "interpreter is blocked")
-        if self.run_dir is not None:
-            lines.append(f"ddptrain: every rank's stack: {self.run_dir / 'logs' / 'stacks'}")
-        return "\n".join(lines)
+            stacks[rank] = self.store.get(key).decode() if self.store.check([key]) else None
+        return stacks
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """What a rank publishes: how many collectives it entered, whether it is inside one, where."""
+
+    arrivals: int
+    inside: bool
+    where: str
+
+    def encode(self) -> str:
+        return f"{self.arrivals}|{int(self.inside)}|{self.where}"
+
+    @classmethod
+    def decode(cls, text: str) -> Heartbeat:
+        arrivals, inside, where = text.split("|", 2)
+        return cls(int(arrivals), inside == "1", where)
+
+
+def judge_hang(seen: dict[int, tuple[Heartbeat | None, float]], now: float, timeout_s: float) -> dict[str, Any] | None:
+    """A hang's verdict, or None. ``seen``: rank -> (its heartbeat, None if it never published;
+    since when it has not changed). A rank that has waited inside collective #n for more than
+    ``timeout_s`` means some rank never arrived there: the culprits are the ranks that entered
+    fewer collectives, stand at #n outside it, or never published; the ranks that waited are
+    never blamed."""
+    waiting = sorted(r for r, (beat, since) in seen.items() if beat and beat.inside and now - since > timeout_s)
+    if not waiting:
+        return None
+    beats = {rank: beat for rank, (beat, _) in seen.items()}
+    top = max(beats[r].arrivals for r in waiting)  # type: ignore[union-attr]
+    culprits = [r for r, beat in sorted(beats.items())
+                if beat is None or beat.arrivals < top or (beat.arrivals == top and not beat.inside)]
+    return {"kind": "hang", "rank": 0, "culprits": culprits, "waiting": waiting,
+            "label": beats[waiting[0]].where, "message": "hang"}  # type: ignore[union-attr]
+
+
+def hang_summary(verdict: dict[str, Any], stacks: dict[int, str | None], timeout_s: float,
+                 stacks_dir: Path | None) -> str:
+    """The lines the launcher prints (and RUN_DIR/logs/hang.txt holds) for a hang's verdict."""
+    culprits, waiting, where = verdict["culprits"], verdict["waiting"], verdict["label"]
+    if not culprits:
+        return (f"ddptrain: every rank waits in {where} for more than --timeout {timeout_s:g} s: "
+                "the collective itself does not complete (network, backend or a device problem)")
+    lines = [f"ddptrain: rank {', '.join(map(str, culprits))} did not reach {where} within --timeout "
+             f"{timeout_s:g} s; rank {', '.join(map(str, waiting))} waited there."]
+    for rank in culprits:
+        if stacks.get(rank) is not None:
+            lines += [f"ddptrain: rank {rank} was in (innermost call last):", stacks[rank]]  # type: ignore[list-item]
+        else:
+            lines.append(f"ddptrain: rank {rank} did not answer: it never started, or its Python "
+                         "interpreter is blocked")
+    if stacks_dir is not None:
+        lines.append(f"ddptrain: every rank's stack: {stacks_dir}")
+    return "\n".join(lines)
 
 
 class NullWatchdog(Watchdog):

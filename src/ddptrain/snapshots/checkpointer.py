@@ -2,7 +2,7 @@
 
 The Trainer is known here only as a source and sink of state (``state_dict()`` /
 ``load_state_dict()``); file handling (atomic writes, validated loads, rotation) lives in
-snapshot_files.py. Start-up is one collective step, ``restore_point``:
+files.py. Start-up is one collective step, ``restore_point``:
 
 - ``--resume never``, or nothing to resume: a fresh start. Files an earlier run left in the
   run dir (snapshots, metrics.jsonl, model.pt) are moved aside to ``previous-<time>/`` and
@@ -13,7 +13,8 @@ snapshot_files.py. Start-up is one collective step, ``restore_point``:
 
 Saving: every ``--save-every`` steps, and when ``--save-seconds`` of training have passed
 (stretched to 50x what a snapshot costs the training path, so snapshots take at most 2% of
-the time), at the end and on a stop signal. Rank 0 writes in the background.
+the time), at the end and on a stop signal. Written in the background: a file by rank 0
+(ddp), or a DCP folder to which every rank writes its shards (fsdp).
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from . import snapshot_dcp
-from . import snapshot_files as files
-from .config import ConfigError, RunConfig
-from .dist import DistContext, broadcast_object
-from .failures import StorageNotShared
-from .report import say
+from ..comm import CollectiveMarks, DistContext, broadcast_object
+from ..config import RunConfig
+from ..console import say
+from ..errors import ConfigError, StorageNotShared
+from . import dcp as snapshot_dcp
+from . import files
 
 MAX_SNAPSHOT_SHARE = 0.02  # of training time, at most, spent on the training path saving
 LEFTOVERS = ("snapshots", "metrics.jsonl", "model.pt", "config.json", "curves.png", "tensorboard")
@@ -44,10 +45,6 @@ class Snapshot:
     path: Path
     state: dict[str, Any]
     whole: bool = True  # weights are whole tensors (a file), not this rank's shards (a DCP folder)
-
-    @property
-    def progress(self) -> dict[str, Any]:
-        return self.state["progress"]
 
 
 def adapt_batch(global_batch: int, world_size: int, grad_accum: int) -> int:
@@ -85,16 +82,15 @@ def check_resume_path(path: str) -> None:
 
 
 class Checkpointer:
-    def __init__(self, cfg: RunConfig, ctx: DistContext, run_dir: Path, strategy: Any, group: Any = None,
-                 watchdog: Any = None) -> None:
+    def __init__(self, cfg: RunConfig, ctx: DistContext, run_dir: Path, strategy: Any,
+                 watchdog: CollectiveMarks, group: Any = None) -> None:
         self.cfg, self.ctx, self.strategy, self.group, self.watchdog = cfg, ctx, strategy, group, watchdog
         self.dir = files.snapshot_dir(run_dir)
         self.run_dir = run_dir
         self.sharded = strategy.snapshot_format == "dcp"
         if self.sharded:  # DCP's background writes talk on a group of their own
-            self._arrive("start-up: creating the snapshot writers' process group")
-            self.writer: Any = snapshot_dcp.DCPWriter(dist.new_group(backend="gloo"), ctx.is_main)
-            self._depart()
+            with watchdog.waiting("start-up: creating the snapshot writers' process group"):
+                self.writer: Any = snapshot_dcp.DCPWriter(dist.new_group(backend="gloo"), ctx.is_main)
         else:
             self.writer = files.SnapshotWriter() if ctx.is_main else None
         self.saved_step = -1  # the newest snapshot's global step (-1: none yet)
@@ -108,9 +104,8 @@ class Checkpointer:
         choice: Any = None
         if self.ctx.is_main:
             choice = self._choose()
-        self._arrive("start-up: agreeing on the snapshot to resume")
-        choice = broadcast_object(choice if not isinstance(choice, Snapshot) else str(choice.path))
-        self._depart()
+        with self.watchdog.waiting("start-up: agreeing on the snapshot to resume"):
+            choice = broadcast_object(choice if not isinstance(choice, Snapshot) else str(choice.path))
         if isinstance(choice, dict):  # rank 0 could not choose: every rank raises the same error
             raise ConfigError(choice["error"])
         if choice is None:
@@ -158,7 +153,7 @@ class Checkpointer:
         return bool(self.cfg.save_every) and global_step % self.cfg.save_every == 0
 
     def due_by_time(self) -> bool:
-        """Rank 0's clock (agreed by every rank through preemption.StopSignal)."""
+        """Rank 0's clock (agreed by every rank through resilience/stop_signals.StopSignal)."""
         if not self.cfg.save_seconds:
             return False
         interval = max(self.cfg.save_seconds, self.cost_s / MAX_SNAPSHOT_SHARE)
@@ -178,13 +173,12 @@ class Checkpointer:
         started = time.perf_counter()
         if self.writer is not None:
             self.writer.wait()
-        self._arrive("snapshot: gathering every rank's random state", global_step)
-        rng_states = files.gather_rng_states(self.ctx.world_size, self.group)
-        self._depart()
+        with self.watchdog.waiting("snapshot: gathering every rank's random state", global_step):
+            rng_states = files.gather_rng_states(self.ctx.world_size, self.group)
         self._check_visible(self.saved_step)
         meta = {"format_version": files.FORMAT_VERSION, "world_size": self.ctx.world_size,
                 "batch_size": self.cfg.batch_size,
-                "global_batch": self.cfg.batch_size * self.ctx.world_size * self.cfg.grad_accum,
+                "global_batch": self.cfg.global_batch(self.ctx.world_size),
                 "fingerprint": self.cfg.math_fingerprint(self.ctx.world_size), "rng": rng_states}
         if self.sharded:
             state = trainer_state()
@@ -201,9 +195,8 @@ class Checkpointer:
         """Wait until the newest snapshot is on disk and every rank can see it."""
         if self.writer is not None:
             self.writer.wait()
-        self._arrive("snapshot: waiting until the newest one is on disk")
-        dist.barrier()
-        self._depart()
+        with self.watchdog.waiting("snapshot: waiting until the newest one is on disk"):
+            dist.barrier()
         self._check_visible(self.saved_step)
 
     def newest_path(self) -> str | None:
@@ -219,11 +212,3 @@ class Checkpointer:
         path = self.dir / files.snapshot_name(step, self.sharded)
         if not path.exists():
             raise StorageNotShared(self.ctx.rank, path)
-
-    def _arrive(self, label: str, step: int | None = None) -> None:
-        if self.watchdog is not None:
-            self.watchdog.arrive(label, step)
-
-    def _depart(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.depart()

@@ -1,0 +1,91 @@
+"""What every part of a rank needs of the job: its place in it (``DistContext``), small
+object broadcasts, torch's timeout as a backstop, and a free port for scripts.
+
+(Joining and leaving the process group is launch/group.py's business.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# torch's own collective timeout is a backstop behind the watchdog, which acts at --timeout
+# and names the rank that did not arrive; torch's error would blame the rank that waited.
+BACKSTOP_EXTRA_S = 60.0
+
+
+class CollectiveMarks:
+    """Where this rank is among the job's collectives, for the watchdog (resilience/watchdog.py)
+    to judge hangs by. This base marks nothing: one rank, or a job without a watchdog."""
+
+    def arrive(self, label: str, step: int | None = None, timed: bool = True) -> None:
+        """This rank enters a collective (every rank enters the same ones in the same order)."""
+
+    def depart(self) -> None:
+        """This rank left the collective it entered last."""
+
+    @contextlib.contextmanager
+    def waiting(self, label: str, step: int | None = None, timed: bool = True) -> Iterator[None]:
+        """``with marks.waiting("the gradient all-reduce", step):`` around a collective. After an
+        error the rank is leaving and stays marked inside, which is where it was."""
+        self.arrive(label, step, timed)
+        yield
+        self.depart()
+
+    def take_waited(self) -> float:
+        """Seconds spent in timed collectives since the last call."""
+        return 0.0
+
+    def phase(self, label: str) -> None:
+        """What this rank is doing outside collectives (start-up stages)."""
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This rank's place in the job, as the trainer needs it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    watchdog: CollectiveMarks = field(default_factory=CollectiveMarks)  # the rank's watchdog
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def tag(self) -> str:
+        """The tutorial's ``[GPU:0]`` / ``[CPU:1]`` prefix."""
+        kind = "GPU" if self.device.type == "cuda" else "CPU"
+        return f"[{kind}:{self.rank}]"
+
+
+def apply_step_timeout(timeout_s: float) -> None:
+    """After start-up, torch's own timeout backs up the watchdog at the configured value."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is not None:  # private in torch 2.x; without it the start-up timeout stays
+        setter(datetime.timedelta(seconds=timeout_s + BACKSTOP_EXTRA_S))
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """``obj`` from rank ``src``, on every rank (the argument is ignored elsewhere)."""
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src, group=group)
+    return holder[0]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (for MASTER_PORT with mp.spawn)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]

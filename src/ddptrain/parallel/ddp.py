@@ -1,0 +1,45 @@
+"""``--strategy ddp``: every rank holds the whole model; DDP all-reduces gradients in buckets
+during backward (with torch's communication hooks, ``--comm-hook``)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..tasks.protocol import Task
+from .base import Strategy, checkpoint_blocks, find_blocks, no_blocks_error
+from .hooks import register_comm_hook
+
+
+class DDPStrategy(Strategy):
+    def wrap(self, module: torch.nn.Module, task: Task) -> torch.nn.Module:
+        """DDP across ranks. One rank has nobody to talk to: DDP would only add its overhead."""
+        module.to(self.ctx.device)
+        self.shares_buffers = self.ctx.world_size > 1 and any(True for _ in module.buffers())
+        if self.cfg.activation_checkpointing:
+            blocks = find_blocks(module, task)
+            if not blocks:
+                raise no_blocks_error("--activation-checkpointing")
+            checkpoint_blocks(module, blocks)
+        model = torch.compile(module) if self.cfg.compile else module
+        if self.ctx.world_size == 1:
+            return model
+        ddp = DDP(
+            model,
+            device_ids=[self.ctx.device] if self.ctx.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+            forward_sync_buffers=False,  # the Trainer shares rank 0's buffers once per step (broadcast_buffers)
+            static_graph=self.cfg.static_graph,
+            find_unused_parameters=self.cfg.find_unused_parameters,
+            **({"bucket_cap_mb": self.cfg.bucket_cap_mb} if self.cfg.bucket_cap_mb else {}),
+        )
+        register_comm_hook(ddp, self.cfg.comm_hook)
+        self.needs_every_gradient = not (self.cfg.find_unused_parameters or self.cfg.static_graph)
+        return ddp
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Accumulation micro-batches before the last: gradients stay local (DDP's no_sync)."""
+        return model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext()

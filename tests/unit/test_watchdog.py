@@ -1,0 +1,59 @@
+"""The watchdog's judgement and its report, as pure functions: no thread, no store."""
+
+from pathlib import Path
+
+from ddptrain.resilience.watchdog import Heartbeat, hang_summary, judge_hang
+
+TIMEOUT = 10.0
+
+
+def beat(arrivals: int, inside: bool, where: str = "the gradient all-reduce (step 7)") -> Heartbeat:
+    return Heartbeat(arrivals, inside, where)
+
+
+def test_a_heartbeat_survives_its_trip_through_the_store_even_with_bars_in_the_label():
+    sent = beat(12, True, "a | strange | label (step 3)")
+    assert Heartbeat.decode(sent.encode()) == sent
+
+
+def test_no_verdict_before_a_rank_has_waited_the_timeout():
+    seen = {0: (beat(7, True), 100.0), 1: (beat(6, False), 100.0)}
+    assert judge_hang(seen, now=100.0 + TIMEOUT - 0.1, timeout_s=TIMEOUT) is None
+    assert judge_hang({0: (beat(7, False), 0.0), 1: (beat(7, False), 0.0)}, now=1e6, timeout_s=TIMEOUT) is None
+
+
+def test_the_rank_that_never_arrived_is_the_culprit_and_the_waiting_rank_is_not_blamed():
+    seen = {0: (beat(7, True), 0.0), 1: (beat(6, False, "data loading"), 0.0)}
+    verdict = judge_hang(seen, now=TIMEOUT + 1, timeout_s=TIMEOUT)
+    assert verdict is not None
+    assert verdict["culprits"] == [1] and verdict["waiting"] == [0]
+    assert verdict["label"] == "the gradient all-reduce (step 7)"
+
+
+def test_a_rank_that_never_published_or_stands_outside_the_same_collective_is_a_culprit():
+    seen = {0: (beat(7, True), 0.0), 1: (None, 0.0), 2: (beat(7, False), 0.0), 3: (beat(7, True), 0.0)}
+    verdict = judge_hang(seen, now=TIMEOUT + 1, timeout_s=TIMEOUT)
+    assert verdict["culprits"] == [1, 2] and verdict["waiting"] == [0, 3]
+
+
+def test_when_every_rank_waits_in_the_same_collective_nobody_is_blamed():
+    seen = {0: (beat(7, True), 0.0), 1: (beat(7, True), 0.0)}
+    verdict = judge_hang(seen, now=TIMEOUT + 1, timeout_s=TIMEOUT)
+    assert verdict["culprits"] == []
+    text = hang_summary(verdict, {}, TIMEOUT, None)
+    assert text.startswith("ddptrain: every rank waits in the gradient all-reduce (step 7) for more than "
+                           "--timeout 10 s")
+
+
+def test_the_summary_names_the_culprits_with_their_frames_and_says_who_did_not_answer():
+    verdict = {"culprits": [1, 2], "waiting": [0], "label": "the gradient all-reduce (step 7)"}
+    stacks = {1: '  File "x.py", line 3, in wait_for_ever', 2: None}
+    text = hang_summary(verdict, stacks, TIMEOUT, Path("run/logs/stacks"))
+    assert text.splitlines() == [
+        "ddptrain: rank 1, 2 did not reach the gradient all-reduce (step 7) within --timeout 10 s; "
+        "rank 0 waited there.",
+        "ddptrain: rank 1 was in (innermost call last):",
+        '  File "x.py", line 3, in wait_for_ever',
+        "ddptrain: rank 2 did not answer: it never started, or its Python interpreter is blocked",
+        "ddptrain: every rank's stack: run/logs/stacks",
+    ]
