@@ -24,8 +24,8 @@ train: install
 test: dev lint
 	$(BIN)/pytest -q tests
 
-test-fast: dev
-	$(BIN)/pytest -q -m "not slow" tests
+test-fast: dev  # the unit tests: pure logic in this process, seconds
+	$(BIN)/pytest -q tests/unit
 
 lint: dev
 	$(BIN)/ruff check src tests examples benchmarks docs

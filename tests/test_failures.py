@@ -10,8 +10,7 @@ import torch
 from ddptrain import TrainingFailed
 from ddptrain.cli import main
 from ddptrain.data import StepSampler
-from ddptrain.resilience.failures import RankError, root_cause
-from ddptrain.snapshots import files as files
+from ddptrain.snapshots import files
 from ddptrain.tasks.regression import regression_data
 
 from conftest import assert_same_weights, clean_env, ddptrain_cli, fit, load_model, read_metrics
@@ -147,22 +146,4 @@ def test_a_slow_rank_is_named_in_the_straggler_report(tmp_path, capfd):
     assert set(record["stragglers"]) == {"1"} and record["stragglers"]["1"] >= 1.5
     assert summary["stragglers"].startswith("rank 1 (1/1 epochs")
     assert "stragglers" in capfd.readouterr().out
-
-
-def _error(rank: int, kind: str, text: str, mtime: int) -> RankError:
-    return RankError(rank, mtime, f"{kind}: {text}", "Traceback ...")
-
-
-def test_root_cause_prefers_the_real_error_over_the_ranks_that_only_felt_it():
-    closed = "[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:4242"
-    errors = {0: _error(0, "RuntimeError", closed, 1), 1: _error(1, "ValueError", "bad sample", 2),
-              2: _error(2, "PeerFailed", "rank 2 stopped because rank 1 failed: ValueError", 0)}
-    assert root_cause(errors, killed={}).rank == 1
-    # a rank killed by a signal leaves no report: it explains the others' lost connections
-    assert root_cause({0: errors[0]}, killed={1: "SIGKILL"}) == 1
-    assert root_cause({0: errors[0]}, killed={}).rank == 0
-    # the launcher terminated rank 0 (after rank 1 ended) before rank 0 heard of the failure
-    terminated = _error(0, "SignalException", "Process 4242 got signal: 15", 0)
-    assert root_cause({0: terminated, 1: errors[1]}, killed={}).rank == 1
-    assert root_cause({0: terminated}, killed={}).rank == 0
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ddptrain.config import RunConfig
-from ddptrain.snapshots import files as files
+from ddptrain.snapshots import files
 from ddptrain.tasks import digits_task
 
 from conftest import assert_ok, assert_same_weights, ddptrain_cli, fit, load_model, read_metrics

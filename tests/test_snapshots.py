@@ -13,7 +13,7 @@ import time
 import pytest
 
 from ddptrain import ConfigError, TrainingFailed
-from ddptrain.snapshots import files as files
+from ddptrain.snapshots import files
 
 from conftest import BIN, assert_ok, assert_same_weights, clean_env, ddptrain_cli, fit, load_model, read_metrics, run
 

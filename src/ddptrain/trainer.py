@@ -60,9 +60,18 @@ def _unused_error(names: list[str], when: str) -> ConfigError:
 
 @dataclass
 class Progress:
+    """Where the run is; also the data position: the epoch's permutation and the step in it
+    say which samples come next (data.StepSampler)."""
+
     epoch: int = 0
     step_in_epoch: int = 0
     global_step: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
 
 
 class Trainer:
@@ -100,7 +109,16 @@ class Trainer:
         self.first_step_reported = False
         self.loss_checked = False
         self.first_step_unchecked = True  # parameters without a gradient are named after step 1
-        self.loss_sums = (0.0, 0)  # the epoch's loss so far over every rank, at the last snapshot
+        # Built by fit() once the restore point is known (a resume on another world size changes
+        # the batch size, and with it the data and the schedule):
+        self.stop_signal: StopSignal
+        self.sampler: StepSampler
+        self.batches: TrainBatches
+        self.eval_batches: EvalBatches | None
+        self.steps_per_epoch: int
+        self.losses: EpochLosses
+        self.guard: NonFiniteGuard
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None
 
     def _use_config(self, cfg: RunConfig) -> None:
         """A new (never mutated) config for the rest of the run, shared with the checkpointer."""
@@ -387,7 +405,7 @@ class Trainer:
         if self.progress.global_step in (0, self.checkpointer.saved_step):
             return
         reduced = self._reduce()  # the epoch's loss so far, over every rank, goes into the snapshot
-        self.loss_sums = (reduced["loss_total"], reduced["loss_steps"])
+        self.losses.note_reduced(reduced["loss_total"], reduced["loss_steps"])
         self._share_buffers(self.progress.global_step)
         self.checkpointer.save(self.progress.global_step, self.state_dict)
 
@@ -409,13 +427,12 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything that makes the next step exactly what it would have been."""
-        total, steps = self.loss_sums
         return {
             **self.strategy.state(self.module, self.optimizer),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
-            "progress": {**dataclasses.asdict(self.progress), "epoch_loss_total": total,
-                         "epoch_loss_steps": steps, "skipped_steps": list(self.guard.skipped)},
+            # one table in the snapshot format: where the run is, the epoch's loss so far, skips
+            "progress": {**self.progress.state_dict(), **self.losses.state_dict(), **self.guard.state_dict()},
         }
 
     def load_state_dict(self, state: dict[str, Any], whole: bool = True) -> None:
@@ -427,14 +444,12 @@ class Trainer:
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         saved = state["progress"]
+        self.progress.load_state_dict(saved)
         # Snapshots by version 0.2 could stop at an epoch's last step, before its record: the
         # epoch then ends at once (its record logged) and the next one starts.
-        at = min(saved["step_in_epoch"], self.steps_per_epoch)
-        self.progress = Progress(saved["epoch"], at, saved["global_step"])
-        self.guard.skipped = list(saved.get("skipped_steps", []))
-        # The epoch's loss so far, already summed over every rank: rank 0 carries it.
-        carried = (saved.get("epoch_loss_total", 0.0), saved.get("epoch_loss_steps", 0))
-        self.losses.reset(first_step=self.progress.global_step, carried=carried if self.ctx.is_main else (0.0, 0))
+        self.progress.step_in_epoch = min(self.progress.step_in_epoch, self.steps_per_epoch)
+        self.guard.load_state_dict(saved)
+        self.losses.load_state_dict(saved, first_step=self.progress.global_step, carries=self.ctx.is_main)
 
     def _adapt_to(self, start: Snapshot) -> None:
         """On another world size, keep the snapshot's global batch (and so the sample order)."""

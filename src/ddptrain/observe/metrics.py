@@ -42,6 +42,20 @@ class EpochLosses:
         reduced over every rank before a resume (rank 0 carries them, the others 0)."""
         self.slots = torch.zeros(self.capacity, dtype=torch.float64, device=self.device)
         self.count, self.first_step, self.carried = 0, first_step, carried
+        self.reduced = (0.0, 0)
+
+    def note_reduced(self, total: float, steps: int) -> None:
+        """The epoch's (sum, steps) so far over every rank, as just reduced (before a snapshot)."""
+        self.reduced = (total, steps)
+
+    # In a snapshot: the epoch's loss so far over every rank (reduced just before saving).
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch_loss_total": self.reduced[0], "epoch_loss_steps": self.reduced[1]}
+
+    def load_state_dict(self, state: dict[str, Any], first_step: int, carries: bool) -> None:
+        """``carries``: this rank adds the saved sums into its next reduction (rank 0 alone)."""
+        saved = (state.get("epoch_loss_total", 0.0), state.get("epoch_loss_steps", 0))
+        self.reset(first_step, carried=saved if carries else (0.0, 0))
 
     def add(self, loss: torch.Tensor) -> None:
         self.slots[self.count] = loss.detach()  # one copy, promoted to float64, no host sync

@@ -16,6 +16,7 @@ at the N+1-th.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,12 @@ class NonFiniteGuard:
     def __init__(self, skip_limit: int, steps_per_epoch: int, group: object = None) -> None:
         self.skip_limit, self.steps_per_epoch, self.group = skip_limit, steps_per_epoch, group
         self.skipped: list[int] = []  # global steps skipped (in snapshots: resume stays exact)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_steps": list(self.skipped)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped = list(state.get("skipped_steps", []))
 
     @property
     def skipping(self) -> bool:

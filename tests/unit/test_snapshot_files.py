@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddptrain import ConfigError
-from ddptrain.snapshots import files as files
+from ddptrain.snapshots import files
 from ddptrain.snapshots.checkpointer import adapt_batch, check_resume_path, move_aside
 from ddptrain.snapshots.dcp import remove_partials
 

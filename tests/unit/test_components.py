@@ -1,0 +1,44 @@
+"""Components that own their state: what goes into a snapshot comes back out the same."""
+
+import math
+
+import torch
+
+from ddptrain.observe.metrics import EpochLosses
+from ddptrain.resilience.guard import NonFiniteGuard
+from ddptrain.trainer import Progress
+
+
+def test_progress_round_trips_through_its_state():
+    saved = Progress(epoch=3, step_in_epoch=7, global_step=52).state_dict()
+    restored = Progress()
+    restored.load_state_dict(saved)
+    assert restored == Progress(3, 7, 52)
+
+
+def test_the_guard_keeps_its_skipped_steps_across_a_resume():
+    guard = NonFiniteGuard(skip_limit=3, steps_per_epoch=10)
+    guard.skip(4)
+    guard.skip(13)
+    restored = NonFiniteGuard(skip_limit=3, steps_per_epoch=10)
+    restored.load_state_dict(guard.state_dict())
+    assert restored.skipped == [4, 13] and [restored.epoch_of(s) for s in restored.skipped] == [0, 1]
+    restored.load_state_dict({})  # a snapshot without skips
+    assert restored.skipped == []
+
+
+def test_the_epochs_loss_so_far_is_carried_by_one_rank_only():
+    losses = EpochLosses(torch.device("cpu"), capacity=8)
+    for value in (2.0, 4.0):
+        losses.add(torch.tensor(value))
+    losses.note_reduced(total=12.0, steps=4)  # what every rank's sums added up to
+    state = losses.state_dict()
+    assert state == {"epoch_loss_total": 12.0, "epoch_loss_steps": 4}
+    main, other = EpochLosses(torch.device("cpu"), 8), EpochLosses(torch.device("cpu"), 8)
+    main.load_state_dict(state, first_step=20, carries=True)
+    other.load_state_dict(state, first_step=20, carries=False)
+    main.add(torch.tensor(1.0))
+    assert float(main.local_sum()) == 13.0 and main.local_steps() == 5
+    assert float(other.local_sum()) == 0.0 and other.local_steps() == 0
+    main.add(torch.tensor(math.nan))
+    assert float(main.first_nonfinite_step()) == 22  # the second loss after step 20
