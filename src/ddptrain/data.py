@@ -99,10 +99,6 @@ class StepSampler:
         generator.manual_seed(self.seed + self.epoch)
         return torch.randperm(self.dataset_len, generator=generator)
 
-    def step_samples(self, step: int) -> int:
-        """Samples in optimizer step ``step`` of an epoch, over every rank."""
-        return max(0, min(self.global_batch, self.dataset_len - step * self.global_batch))
-
     def micro_batches(self, start_step: int = 0) -> list[MicroBatch]:
         """This rank's micro-batches of the epoch from optimizer step ``start_step`` on:
         ``grad_accum`` of them per step, on every rank."""
@@ -130,18 +126,6 @@ class StepSampler:
             else:  # nothing for this rank: a stand-in (the step's first sample) with weight 0
                 batches.append(MicroBatch(rest[:1], 0, total, self.world_size))
         return batches
-
-
-def batch_size_of(batch: Any) -> int:
-    """Samples in a batch: the first dimension of its first tensor."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    for value in values:
-        size = batch_size_of(value)
-        if size:
-            return size
-    return 0
 
 
 def uses_fast_path(dataset: Dataset, collate_fn: Callable[..., Any] | None) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,12 +49,6 @@ PER_RANK = 5  # figures every rank reports at an epoch's end: 3 timings (observe
 FORWARD_SYNC = "the forward pass's collective (FSDP's parameter all-gather)"
 BUFFER_SYNC = "the broadcast of rank 0's buffers (BatchNorm's running statistics)"
 COUNT_SYNC = "summing the step's loss counts over the ranks (step_fn returned (sum, count))"
-
-
-def _unused_error(names: list[str], when: str) -> ConfigError:
-    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    return ConfigError(f"parameter(s) {shown} got no gradient {when}; use them in the loss, set "
-                       "requires_grad=False on them, or pass --find-unused-parameters")
 
 
 @dataclass
@@ -108,7 +101,7 @@ class Trainer:
         self.first_step_at: float | None = None  # wall clock of the first step (start-up benchmarks)
         self.first_step_reported = False
         self.loss_checked = False
-        self.first_step_unchecked = True  # parameters without a gradient are named after step 1
+        self.first_step_unchecked = True  # the strategy checks the first step's gradients
         # Built by fit() once the restore point is known (a resume on another world size changes
         # the batch size, and with it the data and the schedule):
         self.stop_signal: StopSignal
@@ -253,8 +246,9 @@ class Trainer:
         if self.guard.skipping and not self.guard.step_is_finite(total, self._gradients()):
             self._step_scheduler()  # the schedule counts steps, taken or skipped
             return None
-        if self.first_step_unchecked:
-            self._check_every_parameter_learns()
+        if self.first_step_unchecked:  # DDP names the parameters that got no gradient
+            self.strategy.check_gradients(self.module)
+            self.first_step_unchecked = False
         if self.cfg.clip_grad:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
@@ -298,31 +292,14 @@ class Trainer:
                 inputs, target = batch
                 value = self.task.loss_fn(self.model(inputs), target)  # type: ignore[misc]
         except RuntimeError as error:
-            if "did not receive grad" in str(error):  # DDP: a parameter went unused after step 1
-                raise self._unused_parameters_error(str(error)) from None
-            raise
+            clearer = self.strategy.explain(error, self.module, self.progress.global_step + 1)
+            if clearer is None:
+                raise
+            raise clearer from None
         loss, count = split_loss(value, "step_fn" if self.task.step_fn is not None else "loss_fn",
                                  check=not self.loss_checked)
         self.loss_checked = True
         return loss, count
-
-    def _check_every_parameter_learns(self) -> None:
-        """After the first backward: the parameters that got no gradient, by name. (DDP would
-        fail at the next step instead, naming parameter indices at the end of a traceback.)"""
-        self.first_step_unchecked = False
-        if not self.strategy.needs_every_gradient:
-            return
-        missing = [name for name, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
-        if missing:
-            raise _unused_error(missing, "in the first step")
-
-    def _unused_parameters_error(self, message: str) -> ConfigError:
-        """DDP's "Parameter indices which did not receive grad for rank R: 3 4" with names."""
-        trainable = [name for name, p in self.module.named_parameters() if p.requires_grad]
-        found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", message)
-        indices = [int(i) for i in found.group(1).split()] if found else []
-        names = [trainable[i] for i in indices if i < len(trainable)] or ["(unnamed)"]
-        return _unused_error(names, f"at step {self.progress.global_step}")
 
     def _gradients(self) -> list[torch.Tensor]:
         if self.scaler.is_enabled():

@@ -8,7 +8,6 @@ from ddptrain.data import (
     EvalBatches,
     StepSampler,
     TrainBatches,
-    batch_size_of,
     eval_batch_ranges,
     eval_shard,
     to_device,
@@ -119,12 +118,6 @@ def test_batches_of_any_structure_reach_the_device_with_other_leaves_untouched()
     assert moved.keys() == batch.keys() and moved["meta"] == ["a", "b"]
     assert torch.equal(moved["ids"], batch["ids"]) and moved["nested"][1] == 7
     assert isinstance(moved["nested"][2], Pair) and moved["nested"][2].y == "s"
-
-
-def test_a_batch_counts_the_samples_of_its_first_tensor_at_any_depth():
-    assert batch_size_of({"meta": ["a", "b"], "ids": (torch.ones(3, 5), torch.ones(7))}) == 3
-    assert batch_size_of((torch.tensor(2.0), "x")) == 1
-    assert batch_size_of(["a", "b"]) == 0
 
 
 def _dict_collate(samples):

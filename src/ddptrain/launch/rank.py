@@ -125,8 +125,6 @@ def leave_once_parked(grace_s: float = 0.5) -> None:
 
 def leave(code: int) -> None:
     """End this rank's process now, after a failure (see failures.hard_exit)."""
-    if _hold is not None:
-        _hold.release()
     if _watchdog is not None:
         _watchdog.exit_process(code)
     hard_exit(code)
@@ -156,8 +154,6 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
     except ConfigError as error:  # the same on every rank: each returns it, the launcher says it once
         watchdog.report_failure(error)
         watchdog.stop()
-        if _hold is not None:
-            _hold.release()
         return "config_error", str(error)
     except BaseException as error:
         if watchdog.acting.is_set():  # the watchdog thread reports a verdict (a hang) and ends the process
@@ -167,10 +163,11 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
             raise PeerFailed(f"rank {env.rank} stopped after another rank failed: "
                              f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
         raise
+    finally:
+        if _hold is not None:  # the job's run dir is free again (after a failure: before the exit)
+            _hold.release()
     watchdog.stop()
     pid_file(run_dir, env.rank).unlink(missing_ok=True)
-    if _hold is not None:
-        _hold.release()
     return status, outcome_message(status, cfg)
 
 

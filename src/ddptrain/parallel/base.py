@@ -79,7 +79,6 @@ class Strategy:
         self.cfg, self.ctx = cfg, ctx
         self.forward_syncs = False  # whether the forward pass itself holds a collective
         self.shares_buffers = False  # the model has buffers and other ranks to share them with
-        self.needs_every_gradient = False  # a step fails when a parameter got no gradient (DDP)
 
     def wrap(self, module: torch.nn.Module, task: Task) -> torch.nn.Module:
         raise NotImplementedError
@@ -87,6 +86,13 @@ class Strategy:
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         """Accumulation micro-batches before the last: gradients stay local."""
         return contextlib.nullcontext()
+
+    def check_gradients(self, module: torch.nn.Module) -> None:
+        """After the first backward: ConfigError for gradients this strategy cannot do without."""
+
+    def explain(self, error: RuntimeError, module: torch.nn.Module, step: int) -> Exception | None:
+        """A clearer error for one the wrapped model raised in a step, or None."""
+        return None
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """``--precision bf16|fp16`` as autocast around the forward pass and the loss."""

@@ -4,17 +4,21 @@ during backward (with torch's communication hooks, ``--comm-hook``)."""
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..errors import ConfigError
 from ..tasks.protocol import Task
 from .base import Strategy, checkpoint_blocks, find_blocks, no_blocks_error
 from .hooks import register_comm_hook
 
 
 class DDPStrategy(Strategy):
+    needs_every_gradient = False  # find_unused_parameters and static_graph cope without
+
     def wrap(self, module: torch.nn.Module, task: Task) -> torch.nn.Module:
         """DDP across ranks. One rank has nobody to talk to: DDP would only add its overhead."""
         module.to(self.ctx.device)
@@ -39,6 +43,29 @@ class DDPStrategy(Strategy):
         register_comm_hook(ddp, self.cfg.comm_hook)
         self.needs_every_gradient = not (self.cfg.find_unused_parameters or self.cfg.static_graph)
         return ddp
+
+    # DDP's reducer waits for every parameter's gradient: one that gets none fails the *next*
+    # step, naming parameter indices at the end of a long traceback. Named here instead.
+    def check_gradients(self, module: torch.nn.Module) -> None:
+        if self.needs_every_gradient:
+            missing = [name for name, p in module.named_parameters() if p.requires_grad and p.grad is None]
+            if missing:
+                raise unused_error(missing, "in the first step")
+
+    def explain(self, error: RuntimeError, module: torch.nn.Module, step: int) -> Exception | None:
+        """DDP's "Parameter indices which did not receive grad for rank R: 3 4", with names."""
+        found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(error))
+        if found is None:
+            return None
+        trainable = [name for name, p in module.named_parameters() if p.requires_grad]
+        names = [trainable[int(i)] for i in found.group(1).split() if int(i) < len(trainable)] or ["(unnamed)"]
+        return unused_error(names, f"at step {step}")
+
+
+def unused_error(names: list[str], when: str) -> ConfigError:
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return ConfigError(f"parameter(s) {shown} got no gradient {when}; use them in the loss, set "
+                       "requires_grad=False on them, or pass --find-unused-parameters")
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         """Accumulation micro-batches before the last: gradients stay local (DDP's no_sync)."""
