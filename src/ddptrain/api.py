@@ -66,7 +66,7 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
     cfg = cfg.with_run_dir()
     make_run_dir(cfg.run_dir)  # type: ignore[arg-type]
     if cfg.resume not in ("auto", "never"):
-        from .snapshots.checkpointer import check_resume_path
+        from .snapshots.restore import check_resume_path
         check_resume_path(cfg.resume)
     if not isinstance(env, LocalEnvironment):  # torchrun or srun started this process
         from .launch.rank import run_rank

@@ -77,6 +77,20 @@ def apply_step_timeout(timeout_s: float) -> None:
         setter(datetime.timedelta(seconds=timeout_s + BACKSTOP_EXTRA_S))
 
 
+def sum_over_ranks(parts: dict[str, torch.Tensor], marks: CollectiveMarks, label: str,
+                   step: int | None = None) -> dict[str, torch.Tensor]:
+    """Several named tensors summed over the ranks in one all-reduce (float64, on the first
+    one's device): packed into one vector, reduced, and handed back by name on the CPU, in
+    their shapes."""
+    names = list(parts)
+    device = parts[names[0]].device  # the first part's: the others may be host tensors
+    flat = torch.cat([parts[name].reshape(-1).to(device, torch.float64) for name in names])
+    with marks.waiting(label, step):
+        dist.all_reduce(flat)
+    pieces = flat.cpu().split([parts[name].numel() for name in names])
+    return {name: piece.reshape(parts[name].shape) for name, piece in zip(names, pieces)}
+
+
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     """``obj`` from rank ``src``, on every rank (the argument is ignored elsewhere)."""
     holder = [obj]

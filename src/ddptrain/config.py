@@ -42,7 +42,7 @@ GLOBAL_DEFAULTS: dict[str, Any] = {
 }
 
 # Settings that change the math of a run: a snapshot taken under other values cannot be
-# resumed as if nothing happened (snapshots/checkpointer.py compares them).
+# resumed as if nothing happened (snapshots/restore.py compares them).
 MATH_FIELDS = ("task", "seed", "lr", "optimizer", "momentum", "weight_decay", "lr_schedule",
                "warmup_steps", "max_epochs", "global_batch", "grad_accum", "precision",
                "clip_grad", "sync_batchnorm")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -40,3 +41,31 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig,
                     total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     factor = lr_factor(cfg.lr_schedule, cfg.warmup_steps, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class SchedulerState:
+    """The schedule's state in a snapshot: ``{}`` when there is none (a constant rate)."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict() if self.scheduler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state)
+
+
+class ScalerState:
+    """fp16's grad scaler in a snapshot: ``{}`` when it is off (no fp16, or not on CUDA)."""
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler.is_enabled() else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state)

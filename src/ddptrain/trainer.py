@@ -1,9 +1,10 @@
 """The Trainer: the tutorial's ``_run_batch`` / ``_run_epoch`` / ``train`` shape, made real.
 
 Everything a step does is in ``_run_batch``; everything an epoch does is in ``_run_epoch``;
-``fit`` is: restore point -> data -> epochs -> final evaluation -> model.pt. Read them top to
-bottom. When and where snapshots are written is snapshots/checkpointer.py's business: to it the
-Trainer is ``state_dict()`` / ``load_state_dict()``.
+``__init__`` builds every component, in the order each needs the ones before it; ``fit`` is:
+resume -> epochs -> final evaluation -> model.pt. Read them top to bottom. Each component owns
+its state (``state_dict()`` / ``load_state_dict()``); the checkpointer holds them as ``states``
+and decides when a snapshot is written and how a run resumes (snapshots/checkpointer.py).
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ import contextlib
 import dataclasses
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .comm import DistContext, apply_step_timeout
+from .comm import DistContext, apply_step_timeout, sum_over_ranks
 from .config import RunConfig
 from .console import say
 from .data import EvalBatches, MicroBatch, StepSampler, TrainBatches
@@ -34,18 +35,18 @@ from .observe.metrics import (
     timing_record,
 )
 from .observe.report import NullReporter, Reporter
-from .optim import build_optimizer, build_scheduler
+from .optim import ScalerState, SchedulerState, build_optimizer, build_scheduler
 from .parallel import make_strategy
-from .parallel.base import convert_sync_batchnorm, kept_buffers
+from .parallel.base import ModelAndOptimizer, convert_sync_batchnorm, kept_buffers
 from .resilience.guard import NonFiniteGuard, local_all_finite
 from .resilience.stop_signals import StopSignal
-from .snapshots.checkpointer import Checkpointer, Snapshot, adapt_batch
-from .snapshots.files import atomic_save, restore_rng
+from .snapshots.checkpointer import Checkpointer, OneTable
+from .snapshots.files import atomic_save
+from .snapshots.restore import Snapshot, restore_point, resumed_config
 from .tasks.protocol import Task, check_pair, check_task, split_loss
 
 LOSS_DISPLAY_EVERY = 20  # steps between progress-bar loss reads (each read syncs the device)
 GRADIENT_SYNC = "the gradient all-reduce"
-PER_RANK = 5  # figures every rank reports at an epoch's end: 3 timings (observe.metrics.TIMING_NAMES), 2 memory
 FORWARD_SYNC = "the forward pass's collective (FSDP's parameter all-gather)"
 BUFFER_SYNC = "the broadcast of rank 0's buffers (BatchNorm's running statistics)"
 COUNT_SYNC = "summing the step's loss counts over the ranks (step_fn returned (sum, count))"
@@ -59,12 +60,17 @@ class Progress:
     epoch: int = 0
     step_in_epoch: int = 0
     global_step: int = 0
+    steps_per_epoch: int = field(default=0, compare=False)  # the data's, not state
 
     def state_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
+        # Snapshots by version 0.2 could stop at an epoch's last step, before its record: the
+        # epoch then ends at once (its record logged) and the next one starts.
+        if self.steps_per_epoch:
+            self.step_in_epoch = min(self.step_in_epoch, self.steps_per_epoch)
 
 
 class Trainer:
@@ -92,9 +98,33 @@ class Trainer:
         self.params = params = list(self.model.parameters())
         self.optimizer = task.make_optimizer(params) if task.make_optimizer else build_optimizer(params, cfg)
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16" and self.device.type == "cuda")
-        self.progress = Progress()
         self.reporter = Reporter(self.cfg, self.run_dir) if ctx.is_main else NullReporter(self.cfg, self.run_dir)
-        self.checkpointer = Checkpointer(self.cfg, ctx, self.run_dir, self.strategy, self.watchdog, self.cpu_group)
+        # Where the run starts decides the batch size (a resume on another world size keeps the
+        # snapshot's global batch), and the batch size the data, the epoch and the schedule.
+        self.start = restore_point(self.cfg, ctx, self.run_dir, self.module, self.optimizer, self.strategy,
+                                   self.watchdog)  # chosen by rank 0, checked by all
+        self.cfg = resumed_config(self.start, self.cfg, ctx.world_size, self.reporter.info)
+        cfg = self.cfg
+        self.sampler = StepSampler(len(task.train_set), ctx.world_size, ctx.rank,  # type: ignore[arg-type]
+                                   cfg.batch_size, cfg.grad_accum, cfg.seed)
+        self.batches = TrainBatches(task.train_set, self.sampler, self.device, cfg.workers, task.collate_fn)
+        self.eval_batches = None if task.eval_set is None else EvalBatches(
+            task.eval_set, cfg.batch_size, ctx.rank, ctx.world_size, self.device, cfg.workers, task.collate_fn,
+            equal_counts=self.strategy.forward_syncs)
+        self.steps_per_epoch = self.sampler.steps
+        self.progress = Progress(steps_per_epoch=self.steps_per_epoch)
+        self.losses = EpochLosses(self.device, self.steps_per_epoch, carries=ctx.is_main)
+        self.guard = NonFiniteGuard(cfg.skip_nonfinite, self.steps_per_epoch)
+        self.scheduler = self._build_scheduler()
+        self.checkpointer = Checkpointer(
+            cfg, ctx, self.run_dir, self.strategy, self.watchdog,
+            weights=ModelAndOptimizer(self.strategy, self.module, self.optimizer),
+            states={"scheduler": SchedulerState(self.scheduler), "scaler": ScalerState(self.scaler),
+                    # one table in the snapshot format: where the run is, the epoch's loss so far, skips
+                    "progress": OneTable(self.progress, self.losses, self.guard)},
+            start=self.start, group=self.cpu_group)
+        self.stop_signal = StopSignal(self.cpu_group, self.checkpointer.due_by_time if ctx.is_main else None,
+                                      self.watchdog)
         self.timings = RankTimings(params)
         if self.strategy.forward_syncs:  # the forward's own collective ends where the inner forward begins
             self.module.register_forward_pre_hook(lambda *_: self.watchdog.depart())
@@ -102,27 +132,12 @@ class Trainer:
         self.first_step_reported = False
         self.loss_checked = False
         self.first_step_unchecked = True  # the strategy checks the first step's gradients
-        # Built by fit() once the restore point is known (a resume on another world size changes
-        # the batch size, and with it the data and the schedule):
-        self.stop_signal: StopSignal
-        self.sampler: StepSampler
-        self.batches: TrainBatches
-        self.eval_batches: EvalBatches | None
-        self.steps_per_epoch: int
-        self.losses: EpochLosses
-        self.guard: NonFiniteGuard
-        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None
-
-    def _use_config(self, cfg: RunConfig) -> None:
-        """A new (never mutated) config for the rest of the run, shared with the checkpointer."""
-        self.cfg = self.checkpointer.cfg = cfg
 
     # --- the loop ------------------------------------------------------------------------------
     def fit(self) -> str:
         """Train to ``max_epochs``: ``"finished"``, ``"preempted"`` after a stop signal, or
         ``"already_finished"`` when the run dir holds a run that ended there."""
-        is_main = self.ctx.is_main
-        self.stop_signal = StopSignal(self.cpu_group, self.checkpointer.due_by_time if is_main else None, self.watchdog)
+        self.stop_signal.listen()
         try:
             outcome = self._fit()
         except BaseException:
@@ -134,26 +149,21 @@ class Trainer:
         return outcome
 
     def train(self, max_epochs: int | None = None) -> str:
-        """The tutorial's name for ``fit``."""
-        if max_epochs is not None:
-            self._use_config(dataclasses.replace(self.cfg, max_epochs=max_epochs))
+        """The tutorial's name for ``fit``; ``max_epochs`` replaces the config's (and so the schedule's length)."""
+        if max_epochs is not None and max_epochs != self.cfg.max_epochs:
+            self.cfg = self.checkpointer.cfg = dataclasses.replace(self.cfg, max_epochs=max_epochs)
+            self.scheduler = self._build_scheduler()
+            self.checkpointer.states["scheduler"] = SchedulerState(self.scheduler)
         return self.fit()
 
     def _fit(self) -> str:
-        # Start-up, in this order: each line needs the ones before it.
-        start = self.checkpointer.restore_point(self.module, self.optimizer)  # chosen by rank 0, checked by all
-        if start is not None:
-            self._adapt_to(start)  # the per-rank batch that keeps the snapshot's global batch
-        self._build_data()  # sampler, batches, steps per epoch: need the batch size
-        self.scheduler = self._build_scheduler()  # needs the steps per epoch
-        if start is not None:
-            self._resume_from(start)  # needs the scheduler
+        if self.checkpointer.resume():
             if self.progress.epoch >= self.cfg.max_epochs > 0:
                 return "already_finished"
             where = f"epoch {self.progress.epoch}, step {self.progress.global_step}"
-            self.reporter.info(f"resumed from {start.path}: {where}")
-        self.reporter.begin(self.cfg, resumed_step=self._metrics_kept_through(start))
-        if start is None:
+            self.reporter.info(f"resumed from {self.checkpointer.start.path}: {where}")  # type: ignore[union-attr]
+        self.reporter.begin(self.cfg, resumed_step=self._metrics_kept_through(self.start))
+        if self.start is None:
             self.reporter.info(f"training {self.cfg.task} on {self.ctx.world_size} rank(s), "
                                f"{self.device.type}/{self.ctx.backend}, global batch {self.global_batch}, "
                                f"{self.steps_per_epoch} steps per epoch")
@@ -314,15 +324,17 @@ class Trainer:
     def _end_epoch(self, epoch: int, seconds: float, samples: int) -> None:
         """The epoch's record (``samples``: the epoch's, every sample once; the rate: this
         process's, ``samples`` of them in ``seconds``)."""
-        reduced = self._reduce(with_timings=True)
+        reduced = self._reduce(with_figures=True)
+        loss_steps = int(reduced["loss_steps"])
+        per_rank = reduced["figures"].tolist()  # each rank's row: 3 timings, then 2 memory figures
         record: dict[str, Any] = {
             "kind": "epoch", "epoch": epoch, "step": self.progress.global_step,
-            "train_loss": reduced["loss_total"] / reduced["loss_steps"] if reduced["loss_steps"] else float("nan"),
+            "train_loss": float(reduced["loss_total"]) / loss_steps if loss_steps else float("nan"),
             "lr": self.optimizer.param_groups[0]["lr"],
             "samples_per_s": round(samples / seconds, 1) if seconds > 0 else None,
             "epoch_time_s": round(seconds, 3), "samples": self.sampler.dataset_len, "time": round(time.time(), 3),
-            **timing_record([figures[:3] for figures in reduced["per_rank"]]),
-            "memory_mb": memory_record([figures[3:] for figures in reduced["per_rank"]]),
+            **timing_record([row[:3] for row in per_rank]),
+            "memory_mb": memory_record([row[3:] for row in per_rank]),
         }
         skipped = [s for s in self.guard.skipped if self.guard.epoch_of(s) == epoch]
         if skipped:
@@ -336,30 +348,27 @@ class Trainer:
         self.progress.epoch, self.progress.step_in_epoch = epoch + 1, 0
         self.losses.reset(first_step=self.progress.global_step)
 
-    def _reduce(self, with_timings: bool = False) -> dict[str, Any]:
+    def _reduce(self, with_figures: bool = False) -> dict[str, torch.Tensor]:
         """One all-reduce: the epoch's loss sums, whether every rank's losses and weights are
-        finite, and (at epoch ends) every rank's timings and memory. Raises NonFiniteError,
-        before anything is saved or evaluated, when a loss or a weight is not finite."""
-        world, rank = self.ctx.world_size, self.ctx.rank
-        figures = [0.0] * PER_RANK
-        if with_timings:
-            figures = [*self.timings.take(self.watchdog.take_waited()), peak_rss_mb(),
-                       model_state_mb(self.params, self.optimizer)]
-        # [loss sum, loss steps, ranks with non-finite weights, first bad step per rank, figures per rank]
-        vector = torch.zeros(3 + world + PER_RANK * world, dtype=torch.float64, device=self.device)
-        vector[0] = self.losses.local_sum()
-        vector[1] = self.losses.local_steps() if self.ctx.is_main else 0  # the ranks' parts add up to a step's loss
-        vector[2] = (~local_all_finite(self.params)).to(self.device, torch.float64)
-        vector[3 + rank] = self.losses.first_nonfinite_step()
-        start = 3 + world + PER_RANK * rank
-        vector[start:start + PER_RANK] = torch.tensor(figures, dtype=torch.float64)
-        with self.watchdog.waiting("summing the loss over the ranks", self.progress.global_step):
-            dist.all_reduce(vector)
-        values = vector.tolist()
-        self.guard.check([int(s) for s in values[3:3 + world]], values[2] == 0, self.progress.global_step,
-                         self.checkpointer.newest_path())
-        per_rank = [values[3 + world + PER_RANK * r:3 + world + PER_RANK * (r + 1)] for r in range(world)]
-        return {"loss_total": values[0], "loss_steps": int(values[1]), "per_rank": per_rank}
+        finite, and (at epoch ends) every rank's timings and memory, a row per rank. Raises
+        NonFiniteError, before anything is saved or evaluated, when a loss or a weight is not finite."""
+        world, rank, device = self.ctx.world_size, self.ctx.rank, self.device
+        first_bad_step = torch.zeros(world, dtype=torch.float64, device=device)
+        figures = torch.zeros(world, 5, dtype=torch.float64, device=device)
+        first_bad_step[rank] = self.losses.first_nonfinite_step()
+        if with_figures:
+            figures[rank] = torch.tensor([*self.timings.take(self.watchdog.take_waited()), peak_rss_mb(),
+                                          model_state_mb(self.params, self.optimizer)])
+        reduced = sum_over_ranks({
+            "loss_total": self.losses.local_sum(),
+            # the ranks' parts add up to a step's loss: rank 0 alone counts the steps
+            "loss_steps": torch.tensor(self.losses.local_steps() if self.ctx.is_main else 0),
+            "bad_weights": ~local_all_finite(self.params),  # ranks whose weights are not finite
+            "first_bad_step": first_bad_step, "figures": figures,
+        }, self.watchdog, "summing the loss over the ranks", self.progress.global_step)
+        self.guard.check([int(s) for s in reduced["first_bad_step"].tolist()], int(reduced["bad_weights"]) == 0,
+                         self.progress.global_step, self.checkpointer.newest_path())
+        return reduced
 
     def _eval_due(self, epoch: int) -> bool:
         if self.task.eval_set is None:
@@ -377,14 +386,14 @@ class Trainer:
         return {f"eval_{k}": v for k, v in result.items()}
 
     def _save(self) -> None:
-        """A snapshot after the current step (every rank calls it; the guard checks first).
-        None before the first step: a fresh start recreates that state exactly."""
-        if self.progress.global_step in (0, self.checkpointer.saved_step):
+        """A snapshot after the current step, if the checkpointer wants one (every rank calls
+        it): the guard checks first, and the epoch's loss so far goes in, reduced over every rank."""
+        if not self.checkpointer.wants(self.progress.global_step):
             return
-        reduced = self._reduce()  # the epoch's loss so far, over every rank, goes into the snapshot
-        self.losses.note_reduced(reduced["loss_total"], reduced["loss_steps"])
+        reduced = self._reduce()
+        self.losses.note_reduced(float(reduced["loss_total"]), int(reduced["loss_steps"]))
         self._share_buffers(self.progress.global_step)
-        self.checkpointer.save(self.progress.global_step, self.state_dict)
+        self.checkpointer.save(self.progress.global_step)
 
     def _finish(self) -> None:
         self._save()
@@ -403,40 +412,14 @@ class Trainer:
         return self.cfg.global_batch(self.ctx.world_size)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything that makes the next step exactly what it would have been."""
-        return {
-            **self.strategy.state(self.module, self.optimizer),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
-            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
-            # one table in the snapshot format: where the run is, the epoch's loss so far, skips
-            "progress": {**self.progress.state_dict(), **self.losses.state_dict(), **self.guard.state_dict()},
-        }
+        """Everything that makes the next step exactly what it would have been: every
+        component's state, as a snapshot holds it (the checkpointer's aggregate)."""
+        return self.checkpointer.state_dict()
 
     def load_state_dict(self, state: dict[str, Any], whole: bool = True) -> None:
         """``whole``: the model and optimizer tensors are whole (as in a file snapshot), not
         this rank's shards."""
-        self.strategy.load_state(self.module, self.optimizer, state, whole)
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if state.get("scaler") and self.scaler.is_enabled():
-            self.scaler.load_state_dict(state["scaler"])
-        saved = state["progress"]
-        self.progress.load_state_dict(saved)
-        # Snapshots by version 0.2 could stop at an epoch's last step, before its record: the
-        # epoch then ends at once (its record logged) and the next one starts.
-        self.progress.step_in_epoch = min(self.progress.step_in_epoch, self.steps_per_epoch)
-        self.guard.load_state_dict(saved)
-        self.losses.load_state_dict(saved, first_step=self.progress.global_step, carries=self.ctx.is_main)
-
-    def _adapt_to(self, start: Snapshot) -> None:
-        """On another world size, keep the snapshot's global batch (and so the sample order)."""
-        if start.state["world_size"] != self.ctx.world_size:
-            batch = adapt_batch(start.state["global_batch"], self.ctx.world_size, self.cfg.grad_accum)
-            if batch != self.cfg.batch_size:
-                self.reporter.info(f"resuming a {start.state['world_size']}-rank run on {self.ctx.world_size}: "
-                                   f"batch size per rank {batch} keeps the global batch {start.state['global_batch']}")
-            self._use_config(dataclasses.replace(self.cfg, batch_size=batch))
-        self.checkpointer.check_fits(start, self.cfg)
+        self.checkpointer.load_state_dict(state, whole)
 
     def _metrics_kept_through(self, start: Snapshot | None) -> int | None:
         """The last step whose metrics.jsonl records stay on resume (later steps run again)."""
@@ -444,23 +427,6 @@ class Trainer:
             return None
         at_epoch_end = self.progress.step_in_epoch == self.steps_per_epoch  # its record is logged again
         return self.progress.global_step - 1 if at_epoch_end else self.progress.global_step
-
-    def _resume_from(self, start: Snapshot) -> None:
-        self.load_state_dict(start.state, start.whole)
-        if start.state["world_size"] == self.ctx.world_size:
-            restore_rng(start.state["rng"][self.ctx.rank])
-
-    def _build_data(self) -> None:
-        cfg, ctx, task = self.cfg, self.ctx, self.task
-        self.sampler = StepSampler(len(task.train_set), ctx.world_size, ctx.rank,  # type: ignore[arg-type]
-                                   cfg.batch_size, cfg.grad_accum, cfg.seed)
-        self.batches = TrainBatches(task.train_set, self.sampler, self.device, cfg.workers, task.collate_fn)
-        self.steps_per_epoch = self.sampler.steps
-        self.eval_batches = None if task.eval_set is None else EvalBatches(
-            task.eval_set, cfg.batch_size, ctx.rank, ctx.world_size, self.device, cfg.workers, task.collate_fn,
-            equal_counts=self.strategy.forward_syncs)
-        self.losses = EpochLosses(self.device, self.steps_per_epoch)
-        self.guard = NonFiniteGuard(cfg.skip_nonfinite, self.steps_per_epoch)
 
     def _build_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
         if self.cfg.lr_schedule == "constant" and self.cfg.warmup_steps == 0:

@@ -6,6 +6,7 @@ import torch
 
 from ddptrain.observe.metrics import EpochLosses
 from ddptrain.resilience.guard import NonFiniteGuard
+from ddptrain.snapshots.checkpointer import OneTable
 from ddptrain.trainer import Progress
 
 
@@ -14,6 +15,22 @@ def test_progress_round_trips_through_its_state():
     restored = Progress()
     restored.load_state_dict(saved)
     assert restored == Progress(3, 7, 52)
+
+
+def test_a_snapshot_at_an_epochs_last_step_resumes_at_its_end():
+    progress = Progress(steps_per_epoch=5)  # a 0.2 snapshot may have stopped past the epoch's steps
+    progress.load_state_dict({"epoch": 1, "step_in_epoch": 9, "global_step": 14})
+    assert (progress.epoch, progress.step_in_epoch) == (1, 5)
+
+
+def test_one_table_holds_several_components_states():
+    guard = NonFiniteGuard(skip_limit=3, steps_per_epoch=10)
+    guard.skip(4)
+    table = OneTable(Progress(2, 3, 23), guard)
+    assert table.state_dict() == {"epoch": 2, "step_in_epoch": 3, "global_step": 23, "skipped_steps": [4]}
+    progress, restored = Progress(), NonFiniteGuard(skip_limit=3, steps_per_epoch=10)
+    OneTable(progress, restored).load_state_dict(table.state_dict())
+    assert progress == Progress(2, 3, 23) and restored.skipped == [4]
 
 
 def test_the_guard_keeps_its_skipped_steps_across_a_resume():
@@ -34,9 +51,11 @@ def test_the_epochs_loss_so_far_is_carried_by_one_rank_only():
     losses.note_reduced(total=12.0, steps=4)  # what every rank's sums added up to
     state = losses.state_dict()
     assert state == {"epoch_loss_total": 12.0, "epoch_loss_steps": 4}
-    main, other = EpochLosses(torch.device("cpu"), 8), EpochLosses(torch.device("cpu"), 8)
-    main.load_state_dict(state, first_step=20, carries=True)
-    other.load_state_dict(state, first_step=20, carries=False)
+    main = EpochLosses(torch.device("cpu"), 8, carries=True)
+    other = EpochLosses(torch.device("cpu"), 8, carries=False)
+    table = OneTable(Progress(global_step=20), main)  # the snapshot's progress table
+    main.load_state_dict(table.state_dict() | state)
+    other.load_state_dict(table.state_dict() | state)
     main.add(torch.tensor(1.0))
     assert float(main.local_sum()) == 13.0 and main.local_steps() == 5
     assert float(other.local_sum()) == 0.0 and other.local_steps() == 0

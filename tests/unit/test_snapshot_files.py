@@ -9,8 +9,8 @@ import torch
 
 from ddptrain import ConfigError
 from ddptrain.snapshots import files
-from ddptrain.snapshots.checkpointer import adapt_batch, check_resume_path, move_aside
 from ddptrain.snapshots.dcp import remove_partials
+from ddptrain.snapshots.restore import adapt_batch, check_resume_path, move_aside
 
 
 class _Exploit:

@@ -33,8 +33,10 @@ NO_MARKS = CollectiveMarks()
 class EpochLosses:
     """This rank's per-step losses since the epoch began (or since a resume), on the device."""
 
-    def __init__(self, device: torch.device, capacity: int) -> None:
-        self.device, self.capacity = device, max(1, capacity)
+    def __init__(self, device: torch.device, capacity: int, carries: bool = True) -> None:
+        """``capacity``: steps per epoch; ``carries``: this rank adds a resumed epoch's loss so
+        far into its next reduction (rank 0 alone, as the sums are over every rank)."""
+        self.device, self.capacity, self.carries = device, max(1, capacity), carries
         self.reset(first_step=0)
 
     def reset(self, first_step: int, carried: tuple[float, int] = (0.0, 0)) -> None:
@@ -52,10 +54,10 @@ class EpochLosses:
     def state_dict(self) -> dict[str, Any]:
         return {"epoch_loss_total": self.reduced[0], "epoch_loss_steps": self.reduced[1]}
 
-    def load_state_dict(self, state: dict[str, Any], first_step: int, carries: bool) -> None:
-        """``carries``: this rank adds the saved sums into its next reduction (rank 0 alone)."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """``state``: the snapshot's progress table (``global_step``: where the next loss goes)."""
         saved = (state.get("epoch_loss_total", 0.0), state.get("epoch_loss_steps", 0))
-        self.reset(first_step, carried=saved if carries else (0.0, 0))
+        self.reset(state["global_step"], carried=saved if self.carries else (0.0, 0))
 
     def add(self, loss: torch.Tensor) -> None:
         self.slots[self.count] = loss.detach()  # one copy, promoted to float64, no host sync

@@ -124,7 +124,7 @@ class Strategy:
     # one strategy (one file of whole tensors, or a DCP folder of shards) loads under another.
     def state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The model's and the optimizer's state (never called before the first step: see
-        Trainer._save; on a fresh optimizer torch initialises its state with a zero step)."""
+        Checkpointer.wants; on a fresh optimizer torch initialises its state with a zero step)."""
         model_state, optimizer_state = get_state_dict(module, optimizer)
         return {"model": model_state, "optimizer": optimizer_state}
 
@@ -139,3 +139,17 @@ class Strategy:
         if not self.ctx.is_main:
             return None
         return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+
+
+class ModelAndOptimizer:
+    """The snapshot's ``model`` and ``optimizer`` through a strategy: whole tensors or this
+    rank's shards (what snapshots/checkpointer.Checkpointer calls ``weights``)."""
+
+    def __init__(self, strategy: Strategy, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.strategy, self.module, self.optimizer = strategy, module, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.strategy.state(self.module, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any], whole: bool = True) -> None:
+        self.strategy.load_state(self.module, self.optimizer, state, whole)

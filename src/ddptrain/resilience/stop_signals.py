@@ -56,6 +56,9 @@ class StopSignal:
         self.interval, self.next_check = 1, 1
         self.steps, self.last_check_step, self.last_check_time = 0, 0, time.perf_counter()
         self.replaced: dict[int, Any] = {}
+
+    def listen(self) -> None:
+        """Catch the stop signals from now until ``close`` (only the main thread can)."""
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self.replaced[sig] = signal.signal(sig, self._handle)

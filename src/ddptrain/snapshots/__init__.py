@@ -1,2 +1,3 @@
-"""When to save, what, where, and how a run resumes: the policy (checkpointer.py), snapshot
-files (files.py) and DCP folders (dcp.py)."""
+"""When to save, what, where, and how a run resumes: where a run starts (restore.py), the
+policy and the components' states (checkpointer.py), snapshot files (files.py) and DCP
+folders (dcp.py)."""

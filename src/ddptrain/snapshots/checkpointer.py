@@ -1,15 +1,10 @@
-"""Snapshot policy: where a run starts, when it saves, and what every rank knows was saved.
+"""Snapshot policy: what a snapshot holds, when it is written, how a run resumes, and what
+every rank knows was saved.
 
-The Trainer is known here only as a source and sink of state (``state_dict()`` /
-``load_state_dict()``); file handling (atomic writes, validated loads, rotation) lives in
-files.py. Start-up is one collective step, ``restore_point``:
-
-- ``--resume never``, or nothing to resume: a fresh start. Files an earlier run left in the
-  run dir (snapshots, metrics.jsonl, model.pt) are moved aside to ``previous-<time>/`` and
-  named in one line, so the new run owns its folder.
-- ``--resume auto``: rank 0 picks the newest snapshot that loads; ``--resume PATH``: that
-  one. Rank 0 broadcasts its choice (or the reason there is none); every rank loads it and
-  checks that it fits the model and the math settings, so all fail or succeed together.
+The run's components are handed over as ``states`` (torchtitan's ``CheckpointManager`` shape):
+each has ``state_dict()`` / ``load_state_dict()`` and is saved under its name; the model and
+optimizer (``weights``) apart, because under fsdp they are shards every rank writes. Where a
+run starts is restore.py's; file handling (atomic writes, validated loads, rotation) is files.py's.
 
 Saving: every ``--save-every`` steps, and when ``--save-seconds`` of training have passed
 (stretched to 50x what a snapshot costs the training path, so snapshots take at most 2% of
@@ -19,134 +14,92 @@ the time), at the end and on a stop signal. Written in the background: a file by
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from ..comm import CollectiveMarks, DistContext, broadcast_object
+from ..comm import CollectiveMarks, DistContext
 from ..config import RunConfig
-from ..console import say
-from ..errors import ConfigError, StorageNotShared
+from ..errors import StorageNotShared
 from . import dcp as snapshot_dcp
 from . import files
+from .restore import Snapshot
 
 MAX_SNAPSHOT_SHARE = 0.02  # of training time, at most, spent on the training path saving
-LEFTOVERS = ("snapshots", "metrics.jsonl", "model.pt", "config.json", "curves.png", "tensorboard")
 
 
-@dataclass
-class Snapshot:
-    path: Path
-    state: dict[str, Any]
-    whole: bool = True  # weights are whole tensors (a file), not this rank's shards (a DCP folder)
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def adapt_batch(global_batch: int, world_size: int, grad_accum: int) -> int:
-    """The per-rank batch that keeps a snapshot's global batch (and so its sample order) on
-    ``world_size`` ranks; ConfigError listing the world sizes that work when none does."""
-    per_rank, rest = divmod(global_batch, world_size * grad_accum)
-    if rest or per_rank < 1:
-        workable = [w for w in range(1, global_batch + 1) if global_batch % (w * grad_accum) == 0]
-        raise ConfigError(f"the snapshot's global batch {global_batch} cannot be split evenly over "
-                          f"{world_size} ranks x --grad-accum {grad_accum}; use a world size in {workable}")
-    return per_rank
+class OneTable:
+    """Several components' states in one table of the snapshot (their keys never clash): the
+    ``progress`` table, as snapshots since 0.1 hold it."""
+
+    def __init__(self, *parts: Stateful) -> None:
+        self.parts = parts
+
+    def state_dict(self) -> dict[str, Any]:
+        return {key: value for part in self.parts for key, value in part.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for part in self.parts:
+            part.load_state_dict(state)
 
 
-def move_aside(run_dir: Path) -> Path | None:
-    """Move an earlier run's files into ``run_dir/previous-<time>/``; its path, or None if none."""
-    found = [name for name in LEFTOVERS if (run_dir / name).exists()]
-    if not found:
-        return None
-    target = run_dir / time.strftime("previous-%Y%m%d-%H%M%S")
-    suffix = 1
-    while target.exists():
-        target = target.with_name(f"{target.name.split('.')[0]}.{suffix}")
-        suffix += 1
-    target.mkdir(parents=True)
-    for name in found:
-        os.replace(run_dir / name, target / name)
-    return target
+class Weights(Protocol):
+    """The model's and the optimizer's state: ``{"model": ..., "optimizer": ...}``, whole
+    tensors or this rank's shards (parallel/base.ModelAndOptimizer)."""
 
+    def state_dict(self) -> dict[str, Any]: ...
 
-def check_resume_path(path: str) -> None:
-    """``--resume PATH`` before any rank starts: a one-line error if it is no snapshot."""
-    files.load_snapshot(Path(path))
-    if Path(path).is_dir() and not (Path(path) / ".metadata").is_file():
-        raise files.SnapshotError(f"snapshot {path} has no DCP metadata (.metadata); give a complete snapshot")
+    def load_state_dict(self, state: dict[str, Any], whole: bool = True) -> None: ...
 
 
 class Checkpointer:
-    def __init__(self, cfg: RunConfig, ctx: DistContext, run_dir: Path, strategy: Any,
-                 watchdog: CollectiveMarks, group: Any = None) -> None:
-        self.cfg, self.ctx, self.strategy, self.group, self.watchdog = cfg, ctx, strategy, group, watchdog
+    def __init__(self, cfg: RunConfig, ctx: DistContext, run_dir: Path, strategy: Any, marks: CollectiveMarks,
+                 weights: Weights, states: Mapping[str, Stateful], start: Snapshot | None = None,
+                 group: Any = None) -> None:
+        """``start``: the snapshot the run resumes from (restore.restore_point), loaded by
+        ``resume``; ``group``: a gloo group for the random states (None: the default group)."""
+        self.cfg, self.ctx, self.group, self.marks = cfg, ctx, group, marks
+        self.weights, self.states, self.start = weights, dict(states), start
         self.dir = files.snapshot_dir(run_dir)
-        self.run_dir = run_dir
         self.sharded = strategy.snapshot_format == "dcp"
         if self.sharded:  # DCP's background writes talk on a group of their own
-            with watchdog.waiting("start-up: creating the snapshot writers' process group"):
+            with marks.waiting("start-up: creating the snapshot writers' process group"):
                 self.writer: Any = snapshot_dcp.DCPWriter(dist.new_group(backend="gloo"), ctx.is_main)
         else:
             self.writer = files.SnapshotWriter() if ctx.is_main else None
-        self.saved_step = -1  # the newest snapshot's global step (-1: none yet)
-        self.resumed_step: int | None = None  # loaded with --resume PATH: maybe not in our folder
+        # The newest snapshot's global step (-1: none yet); a resumed one may lie outside our folder.
+        self.saved_step = self.resumed_step = start.global_step if start is not None else -1
         self.last_saved_at = time.perf_counter()
         self.cost_s = 0.0  # the most a snapshot has cost the training path (rank 0)
 
-    # --- start-up --------------------------------------------------------------------------
-    def restore_point(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Snapshot | None:
-        """Collective: the snapshot every rank resumes from, checked on every rank, or None."""
-        choice: Any = None
-        if self.ctx.is_main:
-            choice = self._choose()
-        with self.watchdog.waiting("start-up: agreeing on the snapshot to resume"):
-            choice = broadcast_object(choice if not isinstance(choice, Snapshot) else str(choice.path))
-        if isinstance(choice, dict):  # rank 0 could not choose: every rank raises the same error
-            raise ConfigError(choice["error"])
-        if choice is None:
-            return None
-        path = Path(choice)
-        if not path.exists():
-            raise StorageNotShared(self.ctx.rank, path)
-        snapshot = self._chosen if self.ctx.is_main else Snapshot(path, files.load_snapshot(path))
-        current = snapshot_dcp.whole_shapes(get_model_state_dict(module))
-        if path.is_dir():
-            files.check_model_matches(current, snapshot_dcp.saved_shapes(path), path)
-            snapshot.state.update(snapshot_dcp.load_shards(path, self.strategy.state(module, optimizer)))
-            snapshot.whole = False
-        else:
-            files.check_model_matches(current, snapshot_dcp.whole_shapes(snapshot.state["model"]), path)
-        self.saved_step = self.resumed_step = snapshot.state["progress"]["global_step"]
-        return snapshot
+    # --- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a snapshot holds but its metadata: the weights, and each state by name."""
+        return {**self.weights.state_dict(), **{name: s.state_dict() for name, s in self.states.items()}}
 
-    def _choose(self) -> Any:
-        """Rank 0: the snapshot, None for a fresh start, or {"error": message}."""
-        snapshot_dcp.remove_partials(self.dir)
-        try:
-            if self.cfg.resume == "never":
-                found = None
-            elif self.cfg.resume == "auto":
-                found = files.load_newest(self.dir)
-            else:
-                found = (Path(self.cfg.resume), files.load_snapshot(Path(self.cfg.resume)))
-        except ConfigError as error:
-            return {"error": str(error)}
-        if found is None:
-            moved = move_aside(self.run_dir)
-            if moved is not None:
-                say(f"ddptrain: a fresh start in {self.run_dir}: moved the earlier run's files to {moved}")
-            return None
-        self._chosen = Snapshot(*found)
-        return self._chosen
+    def load_state_dict(self, state: dict[str, Any], whole: bool = True) -> None:
+        self.weights.load_state_dict(state, whole)
+        for name, stateful in self.states.items():
+            stateful.load_state_dict(state.get(name) or {})
 
-    def check_fits(self, snapshot: Snapshot, cfg: RunConfig) -> None:
-        files.check_fingerprint(snapshot.state["fingerprint"], cfg.math_fingerprint(self.ctx.world_size),
-                                snapshot.path)
+    def resume(self) -> bool:
+        """Load the restore point into every component (and, on the same world size, this rank's
+        random state). False on a fresh start."""
+        if self.start is None:
+            return False
+        self.load_state_dict(self.start.state, self.start.whole)
+        if self.start.state["world_size"] == self.ctx.world_size:
+            files.restore_rng(self.start.state["rng"][self.ctx.rank])
+        return True
 
     # --- policy ----------------------------------------------------------------------------
     def due_by_steps(self, global_step: int) -> bool:
@@ -160,20 +113,24 @@ class Checkpointer:
         return time.perf_counter() - self.last_saved_at >= interval
 
     # --- saving ----------------------------------------------------------------------------
-    def save(self, global_step: int, trainer_state: Any) -> None:
+    def wants(self, global_step: int) -> bool:
+        """Whether a snapshot after ``global_step`` would be new: none before the first step (a
+        fresh start recreates that state exactly), none twice."""
+        return global_step not in (0, self.saved_step)
+
+    def save(self, global_step: int) -> None:
         """Every rank calls this after the same step; the files are written in the background.
 
-        ``trainer_state()`` is the Trainer's state_dict. One file (ddp): rank 0 copies it to
-        CPU and its writer thread saves the copy. A DCP folder (fsdp): every rank hands its
-        shards to dcp.async_save, rank 0 the rest. Each writer finishes its previous write
-        before the gather below, so after the gather every rank knows that snapshot was
-        committed, and checks that it can see it (shared storage)."""
-        if global_step == self.saved_step:
+        One file (ddp): rank 0 copies the state to CPU and its writer thread saves the copy. A
+        DCP folder (fsdp): every rank hands its shards to dcp.async_save, rank 0 the rest. Each
+        writer finishes its previous write before the gather below, so after the gather every
+        rank knows that snapshot was committed, and checks that it can see it (shared storage)."""
+        if not self.wants(global_step):
             return
         started = time.perf_counter()
         if self.writer is not None:
             self.writer.wait()
-        with self.watchdog.waiting("snapshot: gathering every rank's random state", global_step):
+        with self.marks.waiting("snapshot: gathering every rank's random state", global_step):
             rng_states = files.gather_rng_states(self.ctx.world_size, self.group)
         self._check_visible(self.saved_step)
         meta = {"format_version": files.FORMAT_VERSION, "world_size": self.ctx.world_size,
@@ -181,12 +138,12 @@ class Checkpointer:
                 "global_batch": self.cfg.global_batch(self.ctx.world_size),
                 "fingerprint": self.cfg.math_fingerprint(self.ctx.world_size), "rng": rng_states}
         if self.sharded:
-            state = trainer_state()
+            state = self.state_dict()
             shards = {"model": state.pop("model"), "optimizer": state.pop("optimizer")}
             extra = {**meta, **files.cpu_copy(state)} if self.ctx.is_main else None
             self.writer.submit(shards, extra, self.dir, global_step, self.cfg.keep)
         elif self.writer is not None:
-            self.writer.submit({**meta, **files.cpu_copy(trainer_state())}, self.dir, self.cfg.keep)
+            self.writer.submit({**meta, **files.cpu_copy(self.state_dict())}, self.dir, self.cfg.keep)
         self.saved_step = global_step
         self.last_saved_at = time.perf_counter()
         self.cost_s = max(self.cost_s, self.last_saved_at - started)
@@ -195,7 +152,7 @@ class Checkpointer:
         """Wait until the newest snapshot is on disk and every rank can see it."""
         if self.writer is not None:
             self.writer.wait()
-        with self.watchdog.waiting("snapshot: waiting until the newest one is on disk"):
+        with self.marks.waiting("snapshot: waiting until the newest one is on disk"):
             dist.barrier()
         self._check_visible(self.saved_step)
 

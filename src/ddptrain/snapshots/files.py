@@ -1,6 +1,6 @@
 """Snapshot files: atomic writes, validated loads, rotation. No snapshot is lost or half-written.
 
-(What to save and when, and where a run resumes, is checkpointer.py's business.)
+(What to save and when is checkpointer.py's business; where a run resumes, restore.py's.)
 
 A snapshot is written to a hidden temporary file in the same folder, flushed, fsynced,
 renamed over its final name with ``os.replace`` (atomic on POSIX), and the folder is fsynced

@@ -1,0 +1,145 @@
+"""Where a run starts: the snapshot every rank resumes from, or a fresh start.
+
+Start-up is one collective step, ``restore_point``, taken before the data is built (a resume
+on another world size changes the batch size per rank, and with it the data and the schedule):
+
+- ``--resume never``, or nothing to resume: a fresh start. Files an earlier run left in the
+  run dir (snapshots, metrics.jsonl, model.pt) are moved aside to ``previous-<time>/`` and
+  named in one line, so the new run owns its folder.
+- ``--resume auto``: rank 0 picks the newest snapshot that loads; ``--resume PATH``: that
+  one. Rank 0 broadcasts its choice (or the reason there is none); every rank loads it and
+  checks that it fits the model and the math settings, so all fail or succeed together.
+
+Loading the snapshot into the run's components is the checkpointer's (``Checkpointer.resume``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from ..comm import CollectiveMarks, DistContext, broadcast_object
+from ..config import RunConfig
+from ..console import say
+from ..errors import ConfigError, StorageNotShared
+from . import dcp as snapshot_dcp
+from . import files
+
+LEFTOVERS = ("snapshots", "metrics.jsonl", "model.pt", "config.json", "curves.png", "tensorboard")
+
+
+@dataclass
+class Snapshot:
+    path: Path
+    state: dict[str, Any]
+    whole: bool = True  # weights are whole tensors (a file), not this rank's shards (a DCP folder)
+
+    @property
+    def global_step(self) -> int:
+        return int(self.state["progress"]["global_step"])
+
+
+def restore_point(cfg: RunConfig, ctx: DistContext, run_dir: Path, module: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer, strategy: Any, marks: CollectiveMarks) -> Snapshot | None:
+    """Collective: the snapshot every rank resumes from, checked on every rank, or None."""
+    chosen: Snapshot | None = None
+    choice: Any = None
+    if ctx.is_main:
+        choice = _choose(cfg, files.snapshot_dir(run_dir), run_dir)
+        chosen = choice if isinstance(choice, Snapshot) else None
+    with marks.waiting("start-up: agreeing on the snapshot to resume"):
+        choice = broadcast_object(str(choice.path) if isinstance(choice, Snapshot) else choice)
+    if isinstance(choice, dict):  # rank 0 could not choose: every rank raises the same error
+        raise ConfigError(choice["error"])
+    if choice is None:
+        return None
+    path = Path(choice)
+    if not path.exists():
+        raise StorageNotShared(ctx.rank, path)
+    snapshot = chosen or Snapshot(path, files.load_snapshot(path))
+    current = snapshot_dcp.whole_shapes(get_model_state_dict(module))
+    if path.is_dir():
+        files.check_model_matches(current, snapshot_dcp.saved_shapes(path), path)
+        snapshot.state.update(snapshot_dcp.load_shards(path, strategy.state(module, optimizer)))
+        snapshot.whole = False
+    else:
+        files.check_model_matches(current, snapshot_dcp.whole_shapes(snapshot.state["model"]), path)
+    return snapshot
+
+
+def _choose(cfg: RunConfig, snapshots: Path, run_dir: Path) -> Snapshot | dict[str, str] | None:
+    """Rank 0: the snapshot, None for a fresh start, or {"error": message}."""
+    snapshot_dcp.remove_partials(snapshots)
+    try:
+        if cfg.resume == "never":
+            found = None
+        elif cfg.resume == "auto":
+            found = files.load_newest(snapshots)
+        else:
+            found = (Path(cfg.resume), files.load_snapshot(Path(cfg.resume)))
+    except ConfigError as error:
+        return {"error": str(error)}
+    if found is None:
+        moved = move_aside(run_dir)
+        if moved is not None:
+            say(f"ddptrain: a fresh start in {run_dir}: moved the earlier run's files to {moved}")
+        return None
+    return Snapshot(*found)
+
+
+def resumed_config(start: Snapshot | None, cfg: RunConfig, world_size: int,
+                   info: Callable[[str], None]) -> RunConfig:
+    """The config a run continues ``start`` with: on another world size, the per-rank batch that
+    keeps the snapshot's global batch (and so the sample order); then the math settings checked."""
+    if start is None:
+        return cfg
+    if start.state["world_size"] != world_size:
+        batch = adapt_batch(start.state["global_batch"], world_size, cfg.grad_accum)
+        if batch != cfg.batch_size:
+            info(f"resuming a {start.state['world_size']}-rank run on {world_size}: batch size per rank "
+                 f"{batch} keeps the global batch {start.state['global_batch']}")
+        cfg = dataclasses.replace(cfg, batch_size=batch)
+    files.check_fingerprint(start.state["fingerprint"], cfg.math_fingerprint(world_size), start.path)
+    return cfg
+
+
+def adapt_batch(global_batch: int, world_size: int, grad_accum: int) -> int:
+    """The per-rank batch that keeps a snapshot's global batch (and so its sample order) on
+    ``world_size`` ranks; ConfigError listing the world sizes that work when none does."""
+    per_rank, rest = divmod(global_batch, world_size * grad_accum)
+    if rest or per_rank < 1:
+        workable = [w for w in range(1, global_batch + 1) if global_batch % (w * grad_accum) == 0]
+        raise ConfigError(f"the snapshot's global batch {global_batch} cannot be split evenly over "
+                          f"{world_size} ranks x --grad-accum {grad_accum}; use a world size in {workable}")
+    return per_rank
+
+
+def move_aside(run_dir: Path) -> Path | None:
+    """Move an earlier run's files into ``run_dir/previous-<time>/``; its path, or None if none."""
+    found = [name for name in LEFTOVERS if (run_dir / name).exists()]
+    if not found:
+        return None
+    target = run_dir / time.strftime("previous-%Y%m%d-%H%M%S")
+    suffix = 1
+    while target.exists():
+        target = target.with_name(f"{target.name.split('.')[0]}.{suffix}")
+        suffix += 1
+    target.mkdir(parents=True)
+    for name in found:
+        os.replace(run_dir / name, target / name)
+    return target
+
+
+def check_resume_path(path: str) -> None:
+    """``--resume PATH`` before any rank starts: a one-line error if it is no snapshot."""
+    files.load_snapshot(Path(path))
+    if Path(path).is_dir() and not (Path(path) / ".metadata").is_file():
+        raise files.SnapshotError(f"snapshot {path} has no DCP metadata (.metadata); give a complete snapshot")
