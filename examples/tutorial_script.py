@@ -5,7 +5,7 @@ ddptrain doing the distributed part through ddptrain.fit:
     torchrun --nproc-per-node=2 examples/tutorial_script.py --max_epochs 5 --batch_size 32
     cd examples && ddptrain train --task tutorial_script:load_train_objs --max-epochs 5
 
-All three train the same weights, bit for bit (tests/test_api.py checks it).
+All three train the same weights, bit for bit (tests/integration/test_api.py checks it).
 """
 
 import argparse

@@ -57,8 +57,11 @@ def factory_name(factory: TaskFactory) -> str:
     return f"{module}:{getattr(factory, '__qualname__', type(factory).__name__)}"
 
 
-def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | None = None) -> Outcome:
-    """Run the job: as this rank under a launcher, else start the local ranks here."""
+def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | None = None, *,
+            leave_on_failure: bool = False) -> tuple[Outcome, int]:
+    """Run the job: as this rank under a launcher, else start the local ranks here. Returns the
+    outcome and this process's rank (0 for the local launcher: it speaks for the job).
+    ``leave_on_failure``: a rank that fails says so and exits at once (the command line)."""
     from .launch.environments import LocalEnvironment, detect
 
     env = detect(local_rank_arg=local_rank_arg)
@@ -69,8 +72,9 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
         from .snapshots.restore import check_resume_path
         check_resume_path(cfg.resume)
     if not isinstance(env, LocalEnvironment):  # torchrun or srun started this process
-        from .launch.rank import run_rank
-        return run_rank(cfg, factory, local_rank_arg)
+        from .launch.rank import run_rank, run_rank_or_leave
+        run = run_rank_or_leave if leave_on_failure else run_rank
+        return run(cfg, factory, local_rank_arg), env.rank
     from .launch.group import check_comm_hook, resolve_device_kind
     from .launch.local import auto_nproc, launch_local, new_job_id
     from .resilience.hold import RunDirHold
@@ -80,7 +84,7 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
     check_comm_hook(cfg.comm_hook, backend)
     hold = RunDirHold(cfg.run_dir, new_job_id()).acquire()  # type: ignore[arg-type]
     try:
-        return launch_local(cfg, nproc, device_kind, factory)
+        return launch_local(cfg, nproc, device_kind, factory), 0
     finally:
         hold.release()
 
@@ -102,7 +106,7 @@ def fit(task: str | TaskFactory, *, config: str | None = None, **options: Any) -
     from .errors import LaunchFailed
 
     try:
-        status, message = execute(cfg, factory)
+        (status, message), rank = execute(cfg, factory)
     except LaunchFailed as failure:
         if failure.exit_code == 2:
             raise ConfigError(str(failure).removeprefix("ddptrain: error: ")) from None
@@ -115,16 +119,13 @@ def fit(task: str | TaskFactory, *, config: str | None = None, **options: Any) -
         from .console import say
 
         say(f"ddptrain: {message}")
-    return summary_of(cfg)
+    return summary_of(cfg) if rank == 0 else {}
 
 
 def summary_of(cfg: RunConfig) -> dict[str, Any]:
-    """The finished run's summary on rank 0 (read from its metrics.jsonl), ``{}`` elsewhere."""
-    import os
+    """The finished run's summary (read from its metrics.jsonl)."""
     from pathlib import Path
 
     from .observe.report import summarize
 
-    if int(os.environ.get("RANK", "0")) != 0:
-        return {}
     return summarize(Path(cfg.with_run_dir().run_dir))  # type: ignore[arg-type]

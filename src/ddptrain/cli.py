@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -80,45 +79,20 @@ def given_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def train(args: argparse.Namespace) -> int:
-    from .api import prepare
-    from .launch.environments import LocalEnvironment, detect
+    from .api import execute, prepare
+    from .errors import LaunchFailed
 
     cfg, factory = prepare(None, given_options(args), args.config)  # torch is not imported before this
-    env = detect(local_rank_arg=args.local_rank)
-    if not isinstance(env, LocalEnvironment):  # torchrun or srun started this process: one rank
-        return _run_as_rank(cfg, args.local_rank, env.rank)
-    from .api import execute
-    from .errors import LaunchFailed
-    from .launch.rank import exit_for
-
     try:
-        return exit_for(execute(cfg, factory), is_main=True)
+        outcome, rank = execute(cfg, factory, args.local_rank, leave_on_failure=True)
     except LaunchFailed as failure:
         from .console import say
 
         say(str(failure), sys.stderr)
         return failure.exit_code
+    from .launch.rank import exit_for
 
-
-def _run_as_rank(cfg: Any, local_rank: int | None, rank: int) -> int:
-    """One rank under torchrun/srun: on failure, say so here (srun has no error files) and
-    exit at once, without tearing down a process group whose peers may be gone."""
-    from .api import execute
-    from .console import say
-    from .errors import PeerFailed, PeerStuck
-    from .launch.rank import exit_for, leave
-
-    try:
-        return exit_for(execute(cfg, None, local_rank), is_main=rank == 0)
-    except ConfigError:
-        raise
-    except BaseException as error:
-        if isinstance(error, (PeerFailed, PeerStuck)):
-            say(f"ddptrain: {error}", sys.stderr)
-        else:
-            say(f"ddptrain: rank {rank} failed; its traceback:\n{traceback.format_exc().rstrip()}", sys.stderr)
-        leave(1)
-        raise  # not reached
+    return exit_for(outcome, is_main=rank == 0)
 
 
 def report(args: argparse.Namespace) -> int:

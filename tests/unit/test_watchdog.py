@@ -2,7 +2,8 @@
 
 from pathlib import Path
 
-from ddptrain.resilience.watchdog import Heartbeat, hang_summary, judge_hang
+from ddptrain.resilience.board import Heartbeat
+from ddptrain.resilience.hangs import hang_summary, judge_hang
 
 TIMEOUT = 10.0
 

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from .. import tasks
 from ..config import RunConfig
 from ..console import say
-from ..errors import ConfigError, PeerFailed
+from ..errors import ConfigError, PeerFailed, PeerStuck
 from ..resilience.failures import hard_exit, record_error
 from ..resilience.hold import RunDirHold, job_id
 from ..resilience.stop_signals import PREEMPTED_EXIT_CODE
@@ -128,6 +129,24 @@ def leave(code: int) -> None:
     if _watchdog is not None:
         _watchdog.exit_process(code)
     hard_exit(code)
+
+
+def run_rank_or_leave(cfg: RunConfig, factory: TaskFactory | None = None,
+                      local_rank_arg: int | None = None) -> Outcome:
+    """``ddptrain train`` as one rank under torchrun/srun: on failure, say so here (srun has no
+    error files) and exit at once, without tearing down a process group whose peers may be gone."""
+    try:
+        return run_rank(cfg, factory, local_rank_arg)
+    except ConfigError:
+        raise
+    except BaseException as error:
+        if isinstance(error, (PeerFailed, PeerStuck)):
+            say(f"ddptrain: {error}", sys.stderr)
+        else:
+            rank = detect(local_rank_arg=local_rank_arg).rank
+            say(f"ddptrain: rank {rank} failed; its traceback:\n{traceback.format_exc().rstrip()}", sys.stderr)
+        leave(1)
+        raise  # not reached
 
 
 @functools.partial(record, error_handler=ErrorFileOnce())

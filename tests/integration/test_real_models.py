@@ -7,9 +7,8 @@ import torch
 from ddptrain import RunConfig, TrainingFailed
 from ddptrain.data import EvalBatches
 from ddptrain.observe.metrics import evaluate
-
-from conftest import assert_same_weights, fit, load_model, read_metrics
-from ranks import run_on_ranks
+from helpers.commands import assert_same_weights, fit, load_model, read_metrics
+from helpers.ranks import run_on_ranks
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'ddptrain[hf]') is not installed")
 import ddptrain_test_tasks  # noqa: E402 - imports examples/ (after transformers is known to be there)

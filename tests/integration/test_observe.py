@@ -1,4 +1,5 @@
-"""Evaluation is exact on any world size; the digits task learns; schedules follow their formula."""
+"""What observe/ reports: evaluation exact on any world size, schedules that follow their
+formula, TensorBoard and curves from rank 0, the progress bar, the straggler report."""
 
 import math
 
@@ -14,9 +15,8 @@ from ddptrain.data import EvalBatches
 from ddptrain.observe.metrics import evaluate
 from ddptrain.optim import build_scheduler, lr_factor
 from ddptrain.tasks.digits import accuracy, digits_task
-
-from conftest import assert_same_weights, fit, load_model, read_metrics
-from ranks import run_on_ranks
+from helpers.commands import assert_same_weights, fit, load_model, read_metrics
+from helpers.ranks import run_on_ranks
 
 TASKS = "ddptrain_test_tasks:"
 
@@ -176,3 +176,16 @@ def test_batchnorm_buffers_follow_rank_0_so_the_reported_evaluation_is_model_pts
     fit(TASKS + "batchnorm", tmp_path / "resumed", strategy="fsdp", **{**options, "max_epochs": 1})
     fit(TASKS + "batchnorm", tmp_path / "resumed", strategy="fsdp", **options)
     assert_same_weights(load_model(tmp_path / "resumed"), fsdp, exact=True)
+
+
+@pytest.mark.slow
+def test_a_slow_rank_is_named_in_the_straggler_report(tmp_path, capfd):
+    summary = fit(TASKS + "slow_data", tmp_path, env={"SLOW_RANK": "1", "SLOW_SECONDS": "0.003"}, max_epochs=1,
+                  workers=0)
+    (record,) = read_metrics(tmp_path)
+    assert record["data_s"]["slowest_rank"] == 1 and record["data_s"]["max"] > 2
+    assert record["collective_s"]["slowest_rank"] == 0  # rank 0 waited for rank 1
+    assert set(record["stragglers"]) == {"1"} and record["stragglers"]["1"] >= 1.5
+    assert summary["stragglers"].startswith("rank 1 (1/1 epochs")
+    assert "stragglers" in capfd.readouterr().out
+

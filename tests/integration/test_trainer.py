@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import assert_ok, assert_same_weights, ddptrain_cli, fit, load_model, read_metrics
+from helpers.commands import assert_ok, assert_same_weights, ddptrain_cli, fit, load_model, read_metrics
 
 TASKS = "ddptrain_test_tasks:"
 

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from conftest import BIN, assert_ok, assert_same_weights, clean_env, ddptrain_cli, load_model
+from helpers.commands import BIN, assert_ok, assert_same_weights, clean_env, ddptrain_cli, load_model
 
 HOSTS = {"a": "198.18.0.1", "b": "198.18.0.2"}
 TRAIN = ["train", "--max-epochs", "2", "--batch-size", "16", "--momentum", "0.9"]

@@ -1,11 +1,11 @@
-"""The speed features do what they say: each test would fail with the feature switched off."""
+"""DDP's speed features (comm hooks, static graph, bucket size, compile, clipping) do what they
+say: each test would fail with the feature switched off; unused parameters are named."""
 
-import importlib.util
 import json
 
 import pytest
 
-from conftest import BIN, assert_ok, assert_same_weights, fit, load_model, read_metrics, run
+from helpers.commands import assert_same_weights, fit, load_model, read_metrics
 
 TASKS = "ddptrain_test_tasks:"
 EPOCHS = {"max_epochs": 2}
@@ -82,40 +82,3 @@ def test_unused_parameters_error_names_the_flag_and_the_flag_works(tmp_path):
     with pytest.raises(ConfigError, match="unused.weight, unused.bias got no gradient .* --find-unused-parameters"):
         fit(TASKS + "unused_parameters", tmp_path / "a", max_epochs=1)
     fit(TASKS + "unused_parameters", tmp_path / "b", max_epochs=1, find_unused_parameters=True)
-
-
-def _table(stdout: str) -> list[list[str]]:
-    lines = stdout.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("job "))
-    for column in ("samples/s (min-max)", "vs loop", "1-epoch wall (min-max)", "vs fastest peer", "final loss"):
-        assert column in lines[header]
-    return [line.split() for line in lines[header + 2:] if line.startswith("tutorial ")]
-
-
-@pytest.mark.slow
-def test_bench_with_peers_prints_one_table_of_the_same_job(tmp_path):
-    """The benchmark's plumbing (its figures are not asserted: a smoke run measures nothing)."""
-    if not all(importlib.util.find_spec(peer) for peer in ("lightning", "accelerate")):  # (importing Lightning
-        pytest.skip("the bench extra (pip install 'ddptrain[bench]') is not installed")  # here sets variables)
-    result = run([str(BIN / "ddptrain"), "bench", "--smoke", "--peers", "--reps", "1", "--jobs", "tutorial",
-                  "--contenders", "loop,ddptrain,lightning,accelerate", "--out", str(tmp_path)], timeout=300)
-    assert_ok(result)
-    rows = _table(result.stdout)
-    assert [r[1] for r in rows] == ["loop", "ddptrain", "lightning", "accelerate"]
-    assert "tutorial: every contender ended at the same loss: yes" in result.stdout
-    saved = json.loads((tmp_path / "bench.json").read_text())["rows"]
-    assert len(saved) == 4 and all(r["wall_1_epoch_s"] > 0 and r["same_loss_as_all"] for r in saved)
-    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
-
-
-@pytest.mark.slow
-def test_bench_names_missing_peers_in_one_line(tmp_path):
-    hide = "import sys; sys.modules['lightning'] = sys.modules['accelerate'] = None; from ddptrain.cli import main; "
-    result = run([str(BIN / "python"), "-c", hide + "sys.exit(main(sys.argv[1:]))", "bench", "--smoke", "--peers",
-                  "--reps", "1", "--jobs", "tutorial", "--contenders", "ddptrain-skip", "--out", str(tmp_path)],
-                 timeout=300)
-    assert_ok(result)
-    missing = [line for line in result.stdout.splitlines() if "not installed" in line]
-    assert missing == ["ddptrain bench: lightning and accelerate not installed (pip install 'ddptrain[bench]'): "
-                       "their rows are left out"]
-    assert [r[1] for r in _table(result.stdout)] == ["ddptrain-skip"]

@@ -14,8 +14,17 @@ import pytest
 
 from ddptrain import ConfigError, TrainingFailed
 from ddptrain.snapshots import files
-
-from conftest import BIN, assert_ok, assert_same_weights, clean_env, ddptrain_cli, fit, load_model, read_metrics, run
+from helpers.commands import (
+    BIN,
+    assert_ok,
+    assert_same_weights,
+    clean_env,
+    ddptrain_cli,
+    fit,
+    load_model,
+    read_metrics,
+    run,
+)
 
 TASKS = "ddptrain_test_tasks:"
 ARGS = {"max_epochs": 3, "save_every": 5, "momentum": 0.9}

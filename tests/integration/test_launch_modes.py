@@ -1,13 +1,12 @@
 """Every launch mode trains the same weights: two torchrun agents forming a two-node job, and
 two of ddptrain's own launches at the same moment. (torchrun and torch.distributed.launch
 --use-env on one node: docs/guide.md's launcher block runs them and compares the weights with
-ddptrain's own launch, bit for bit; tests/test_docs.py runs it.)"""
+ddptrain's own launch, bit for bit; tests/integration/test_docs.py runs it.)"""
 
 import pytest
 
 from ddptrain import free_port
-
-from conftest import BIN, assert_same_weights, fit, load_model
+from helpers.commands import BIN, assert_same_weights, fit, load_model
 
 TRAIN = ["train", "--max-epochs", "2", "--batch-size", "16", "--momentum", "0.9"]
 

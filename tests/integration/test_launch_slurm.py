@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from conftest import BIN, REPO, assert_same_weights, clean_env, fit, load_model
-from slurm_cluster import SlurmCluster
+from helpers.commands import BIN, REPO, assert_same_weights, clean_env, fit, load_model
+from helpers.slurm_cluster import SlurmCluster
 
 TRAIN = ["--max-epochs", "2", "--batch-size", "16", "--momentum", "0.9"]
 
@@ -51,7 +51,7 @@ def test_srun_ranks_train_like_a_local_launch(slurm, tmp_path):
 def test_sbatch_preempted_by_sigusr1_requeues_and_resumes_exactly(slurm, tmp_path):
     """scancel --signal=USR1 is what `#SBATCH --signal=USR1@60` sends the ranks before the time
     limit: each saves a snapshot at a step boundary and exits 143, the script requeues the job,
-    and the requeued job resumes. (SIGTERM: tests/test_snapshots.py.)"""
+    and the requeued job resumes. (SIGTERM: tests/integration/test_snapshots.py.)"""
     args = ["--max-epochs", "40", "--momentum", "0.9"]
     fit("regression", tmp_path / "reference", max_epochs=40, momentum=0.9)
     run_dir = tmp_path / "run"

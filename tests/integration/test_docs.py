@@ -19,8 +19,7 @@ import subprocess
 import pytest
 
 from ddptrain.cli import build_parser
-
-from conftest import BIN, REPO, clean_env, run
+from helpers.commands import BIN, REPO, clean_env, run
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\S+)(?: ([\w ]+))?\n(.*?)^```\n", re.S | re.M)

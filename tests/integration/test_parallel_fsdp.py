@@ -7,8 +7,7 @@ import torch
 from ddptrain.config import RunConfig
 from ddptrain.snapshots import files
 from ddptrain.tasks import digits_task
-
-from conftest import assert_ok, assert_same_weights, ddptrain_cli, fit, load_model, read_metrics
+from helpers.commands import assert_ok, assert_same_weights, ddptrain_cli, fit, load_model, read_metrics
 
 TASKS = "ddptrain_test_tasks:"
 ARGS = {"max_epochs": 2, "save_every": 10}

@@ -8,8 +8,7 @@ import time
 import pytest
 
 from ddptrain.resilience.hold import HOLD_FILE
-
-from conftest import BIN, assert_ok, assert_same_weights, clean_env, finish, load_model, read_metrics, run
+from helpers.commands import BIN, assert_ok, assert_same_weights, clean_env, finish, load_model, read_metrics, run
 
 COMMAND = [str(BIN / "ddptrain"), "train", "--task", "ddptrain_test_tasks:uneven", "--batch-size", "16",
            "--momentum", "0.9"]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import BIN, REPO, assert_ok, assert_same_weights, clean_env, finish, load_model, read_metrics, run
+from helpers.commands import BIN, REPO, assert_ok, assert_same_weights, clean_env, finish, load_model, read_metrics, run
 
 EPOCHS = 400
 # 32 samples, 2 ranks x 16: one step per epoch, so a stop lands at an epoch's last step too.

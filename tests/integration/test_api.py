@@ -10,8 +10,7 @@ import pytest
 import ddptrain
 from ddptrain import ConfigError
 from ddptrain.launch.local import QUIETED_LOGGERS
-
-from conftest import BIN, REPO, assert_ok, assert_same_weights, clean_env, fit, load_model, run
+from helpers.commands import BIN, REPO, assert_ok, assert_same_weights, clean_env, fit, load_model, run
 
 EXAMPLES = REPO / "examples"
 

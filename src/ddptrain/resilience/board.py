@@ -1,0 +1,108 @@
+"""The job's store as the watchdogs see it: a notice board of heartbeats, one verdict, stacks,
+and who has left.
+
+Every rank's watchdog thread opens its own connection to the store the process group
+rendezvoused on (launch/group.connect_store), and every key lives under one attempt's prefix,
+so a job restarted by ``--max-restarts`` starts from a clean board.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+LINGER_S = 2.0  # the store's host waits this long at most for the other ranks to leave first
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """What a rank publishes: how many collectives it entered, whether it is inside one, where."""
+
+    arrivals: int
+    inside: bool
+    where: str
+
+    def encode(self) -> str:
+        return f"{self.arrivals}|{int(self.inside)}|{self.where}"
+
+    @classmethod
+    def decode(cls, text: str) -> Heartbeat:
+        arrivals, inside, where = text.split("|", 2)
+        return cls(int(arrivals), inside == "1", where)
+
+
+class Board:
+    def __init__(self, host: str, port: int, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.prefix = f"ddptrain/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=30))
+        self.store.set(self._key(f"info/{rank}"), json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+        self.left = False
+
+    def _key(self, name: str) -> str:
+        return self.prefix + name
+
+    # --- heartbeats ------------------------------------------------------------------------
+    def publish(self, beat: Heartbeat) -> None:
+        self.store.set(self._key(f"hb/{self.rank}"), beat.encode())
+
+    def heartbeats(self) -> dict[int, Heartbeat | None]:
+        """Every rank's newest heartbeat (None: it never published one)."""
+        keys = [self._key(f"hb/{r}") for r in range(self.world_size)]
+        if self.store.check(keys):
+            values = self.store.multi_get(keys)
+        else:
+            values = [self.store.get(k) if self.store.check([k]) else None for k in keys]
+        return {rank: None if value is None else Heartbeat.decode(value.decode()) for rank, value in enumerate(values)}
+
+    # --- the verdict -----------------------------------------------------------------------
+    def verdict(self) -> dict[str, Any] | None:
+        key = self._key("verdict")
+        if not self.store.check([key]):
+            return None
+        return json.loads(self.store.get(key))
+
+    def propose(self, verdict: dict[str, Any]) -> dict[str, Any]:
+        """Post ``verdict`` unless one is there already (compare-and-set): the job's verdict."""
+        proposed = json.dumps(verdict)
+        return json.loads(self.store.compare_set(self._key("verdict"), "", proposed))
+
+    # --- stacks ----------------------------------------------------------------------------
+    def post_stack(self, text: str) -> None:
+        self.store.set(self._key(f"stack/{self.rank}"), text)
+
+    def stacks(self, ranks: list[int], wait_s: float) -> dict[int, str | None]:
+        """Each rank's posted stack, waiting up to ``wait_s`` in all (None: it did not answer)."""
+        stacks: dict[int, str | None] = {}
+        deadline = time.monotonic() + wait_s
+        for rank in ranks:
+            key = self._key(f"stack/{rank}")
+            while not self.store.check([key]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            stacks[rank] = self.store.get(key).decode() if self.store.check([key]) else None
+        return stacks
+
+    # --- leaving ---------------------------------------------------------------------------
+    def leave(self, wait_for_others: bool) -> None:
+        """Mark this rank as leaving (once). The store's host (``wait_for_others``) waits briefly
+        for every other rank to leave first, so nobody finds the store gone while still reading
+        a verdict."""
+        if self.left:
+            return
+        self.left = True
+        try:
+            self.store.set(self._key(f"left/{self.rank}"), "1")
+            if wait_for_others:
+                others = [self._key(f"left/{r}") for r in range(self.world_size) if r != self.rank]
+                deadline = time.monotonic() + LINGER_S
+                while others and not self.store.check(others) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+        except Exception:  # noqa: BLE001 - the store went first: nothing to wait for
+            pass
