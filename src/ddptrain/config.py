@@ -33,6 +33,8 @@ def _opt(help: str, *, choices: tuple[str, ...] | None = None, alias: str | None
     return field(metadata={"help": help, "choices": choices, "alias": alias}, **kw)
 
 
+DEFAULT_EPOCHS = 5  # when neither --max-epochs nor --max-steps is given
+
 # Hyper-parameters a task may choose defaults for, and the defaults when it does not.
 GLOBAL_DEFAULTS: dict[str, Any] = {
     "lr": 1e-3,
@@ -44,14 +46,14 @@ GLOBAL_DEFAULTS: dict[str, Any] = {
 # Settings that change the math of a run: a snapshot taken under other values cannot be
 # resumed as if nothing happened (snapshots/restore.py compares them).
 MATH_FIELDS = ("task", "seed", "lr", "optimizer", "momentum", "weight_decay", "lr_schedule",
-               "warmup_steps", "max_epochs", "global_batch", "grad_accum", "precision",
+               "warmup_steps", "max_epochs", "max_steps", "global_batch", "grad_accum", "precision",
                "clip_grad", "sync_batchnorm")
 
 # Settings that do not define *which* run this is: changing them keeps the default run dir,
 # so the same command (or the same command with more epochs) finds its run again.
-NOT_IDENTITY = ("run_dir", "resume", "max_epochs", "progress", "tensorboard", "plot", "log_ranks",
+NOT_IDENTITY = ("run_dir", "resume", "max_epochs", "max_steps", "progress", "tensorboard", "plot", "log_ranks",
                 "timeout", "max_restarts", "keep", "save_every", "save_seconds", "eval_every",
-                "workers")
+                "eval_every_steps", "workers")
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,10 @@ class RunConfig:
     # --- what to train ------------------------------------------------------------------
     task: str = _opt("built-in task (regression, digits) or MODULE:FUNC, a factory of your own",
                      default="regression")
-    max_epochs: int = _opt("epochs to train (0 evaluates the initial model and stops)",
-                           default=5, alias="--max_epochs")
+    max_epochs: int | None = _opt(f"epochs to train (default {DEFAULT_EPOCHS}; no limit with --max-steps); 0 "
+                                  "evaluates the initial model and stops", default=None, alias="--max_epochs")
+    max_steps: int | None = _opt("optimizer steps to train, across epoch boundaries; with --max-epochs too, "
+                                 "the first limit reached ends the run", default=None)
     batch_size: int = _opt("samples per rank per micro-batch; the global batch is this x ranks "
                            "x --grad-accum", default=32, alias="--batch_size")
     lr: float | None = _opt("learning rate (default: the task's, else 1e-3)", default=None)
@@ -130,6 +134,7 @@ class RunConfig:
     # --- evaluation and reporting -------------------------------------------------------
     eval_every: int = _opt("evaluate every N epochs (and at the end) when the task has an "
                            "evaluation set; 0: only at the end", default=1)
+    eval_every_steps: int = _opt("also evaluate every N optimizer steps (0: off)", default=0)
     log_ranks: bool = _opt("every rank prints the tutorial's per-epoch line", default=False)
     progress: bool | None = _opt("progress bar on rank 0 (default: when stderr is a terminal)",
                                  default=None)
@@ -153,6 +158,14 @@ class RunConfig:
                       else getattr(self, k)) for k in GLOBAL_DEFAULTS}
         return dataclasses.replace(self, **filled)
 
+    @property
+    def epochs(self) -> float:
+        """The epoch limit: ``max_epochs``, else DEFAULT_EPOCHS, or none (infinity) when the run
+        is counted in steps (``max_steps`` given alone)."""
+        if self.max_epochs is not None:
+            return self.max_epochs
+        return DEFAULT_EPOCHS if self.max_steps is None else math.inf
+
     def global_batch(self, world_size: int) -> int:
         """Samples per optimizer step over every rank: batch x ranks x accumulation."""
         return self.batch_size * world_size * self.grad_accum
@@ -165,8 +178,11 @@ class RunConfig:
         """The settings a snapshot must share with the run that resumes it."""
         values = {k: getattr(self, k) for k in MATH_FIELDS if k != "global_batch"}
         values["global_batch"] = self.global_batch(world_size)
+        values["max_epochs"] = self.epochs  # as resolved: 0.3's snapshots hold 5, the default
         if self.lr_schedule == "constant" and self.warmup_steps == 0:
-            del values["max_epochs"]  # more epochs only extend a constant schedule
+            del values["max_epochs"], values["max_steps"]  # a longer run only extends a constant schedule
+        elif self.max_steps is None:
+            del values["max_steps"]  # snapshots from before the setting existed match
         if not self.sync_batchnorm:
             del values["sync_batchnorm"]  # snapshots from before the setting existed match
         return values
@@ -297,7 +313,10 @@ def validate(cfg: RunConfig) -> None:
 
     checks = [
         (cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}"),
-        (cfg.max_epochs >= 0, f"--max-epochs must be 0 or more, got {cfg.max_epochs}"),
+        (cfg.max_epochs is None or cfg.max_epochs >= 0, f"--max-epochs must be 0 or more, got {cfg.max_epochs}"),
+        (cfg.max_steps is None or cfg.max_steps >= 1,
+         f"--max-steps must be at least 1 (leave it out to train by epochs), got {cfg.max_steps}"),
+        (cfg.eval_every_steps >= 0, f"--eval-every-steps must be >= 0 (0: off), got {cfg.eval_every_steps}"),
         (finite(cfg.lr) and (cfg.lr is None or cfg.lr >= 0), f"--lr must be a finite number >= 0, got {cfg.lr}"),
         (math.isfinite(cfg.timeout) and cfg.timeout > 0,
          f"--timeout must be a positive number of seconds, got {cfg.timeout}"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .comm import DistContext, apply_step_timeout, sum_over_ranks
 from .config import RunConfig
 from .console import say
-from .data import EvalBatches, MicroBatch, StepSampler, TrainBatches
+from .data import EvalBatches, MicroBatch, StepSampler, StreamBatches, TrainBatches, is_stream
 from .errors import ConfigError
 from .observe.metrics import (
     EpochLosses,
@@ -60,13 +60,16 @@ class Progress:
     epoch: int = 0
     step_in_epoch: int = 0
     global_step: int = 0
-    steps_per_epoch: int = field(default=0, compare=False)  # the data's, not state
+    epoch_samples: int = 0  # trained this epoch, over every rank
+    steps_per_epoch: int | None = field(default=None, compare=False)  # the data's, not state (None: a stream)
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step}
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
+                "epoch_samples": self.epoch_samples}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
+        self.epoch_samples = state.get("epoch_samples", 0)
         # Snapshots by version 0.2 could stop at an epoch's last step, before its record: the
         # epoch then ends at once (its record logged) and the next one starts.
         if self.steps_per_epoch:
@@ -105,16 +108,14 @@ class Trainer:
                                    self.watchdog)  # chosen by rank 0, checked by all
         self.cfg = resumed_config(self.start, self.cfg, ctx.world_size, self.reporter.info)
         cfg = self.cfg
-        self.sampler = StepSampler(len(task.train_set), ctx.world_size, ctx.rank,  # type: ignore[arg-type]
-                                   cfg.batch_size, cfg.grad_accum, cfg.seed)
-        self.batches = TrainBatches(task.train_set, self.sampler, self.device, cfg.workers, task.collate_fn)
+        self.batches = self._training_batches()
         self.eval_batches = None if task.eval_set is None else EvalBatches(
             task.eval_set, cfg.batch_size, ctx.rank, ctx.world_size, self.device, cfg.workers, task.collate_fn,
             equal_counts=self.strategy.forward_syncs)
-        self.steps_per_epoch = self.sampler.steps
+        self.steps_per_epoch = self.batches.steps_per_epoch  # None: a stream's epoch ends when it does
         self.progress = Progress(steps_per_epoch=self.steps_per_epoch)
-        self.losses = EpochLosses(self.device, self.steps_per_epoch, carries=ctx.is_main)
-        self.guard = NonFiniteGuard(cfg.skip_nonfinite, self.steps_per_epoch)
+        self.losses = EpochLosses(self.device, self.steps_per_epoch or 64, carries=ctx.is_main)
+        self.guard = NonFiniteGuard(cfg.skip_nonfinite)
         self.scheduler = self._build_scheduler()
         self.checkpointer = Checkpointer(
             cfg, ctx, self.run_dir, self.strategy, self.watchdog,
@@ -122,6 +123,7 @@ class Trainer:
             states={"scheduler": SchedulerState(self.scheduler), "scaler": ScalerState(self.scaler),
                     # one table in the snapshot format: where the run is, the epoch's loss so far, skips
                     "progress": OneTable(self.progress, self.losses, self.guard)},
+            per_rank={"data": self.batches} if isinstance(self.batches, StreamBatches) else {},
             start=self.start, group=self.cpu_group)
         self.stop_signal = StopSignal(self.cpu_group, self.checkpointer.due_by_time if ctx.is_main else None,
                                       self.watchdog)
@@ -135,8 +137,8 @@ class Trainer:
 
     # --- the loop ------------------------------------------------------------------------------
     def fit(self) -> str:
-        """Train to ``max_epochs``: ``"finished"``, ``"preempted"`` after a stop signal, or
-        ``"already_finished"`` when the run dir holds a run that ended there."""
+        """Train to ``max_epochs`` or ``max_steps``: ``"finished"``, ``"preempted"`` after a stop
+        signal, or ``"already_finished"`` when the run dir holds a run that ended there."""
         self.stop_signal.listen()
         try:
             outcome = self._fit()
@@ -150,7 +152,7 @@ class Trainer:
 
     def train(self, max_epochs: int | None = None) -> str:
         """The tutorial's name for ``fit``; ``max_epochs`` replaces the config's (and so the schedule's length)."""
-        if max_epochs is not None and max_epochs != self.cfg.max_epochs:
+        if max_epochs is not None and max_epochs != self.cfg.epochs:
             self.cfg = self.checkpointer.cfg = dataclasses.replace(self.cfg, max_epochs=max_epochs)
             self.scheduler = self._build_scheduler()
             self.checkpointer.states["scheduler"] = SchedulerState(self.scheduler)
@@ -158,18 +160,21 @@ class Trainer:
 
     def _fit(self) -> str:
         if self.checkpointer.resume():
-            if self.progress.epoch >= self.cfg.max_epochs > 0:
+            if self._done() and self.cfg.epochs > 0:
                 return "already_finished"
             where = f"epoch {self.progress.epoch}, step {self.progress.global_step}"
             self.reporter.info(f"resumed from {self.checkpointer.start.path}: {where}")  # type: ignore[union-attr]
+            if isinstance(self.batches, StreamBatches) and not self.batches.stateful and self.progress.step_in_epoch:
+                self.reporter.info(f"the training stream has no state_dict(): reading epoch {self.progress.epoch} again"
+                                   f" up to step {self.progress.step_in_epoch} (slower, still exact; docs/data.md)")
         self.reporter.begin(self.cfg, resumed_step=self._metrics_kept_through(self.start))
         if self.start is None:
             self.reporter.info(f"training {self.cfg.task} on {self.ctx.world_size} rank(s), "
                                f"{self.device.type}/{self.ctx.backend}, global batch {self.global_batch}, "
-                               f"{self.steps_per_epoch} steps per epoch")
-        if self.cfg.max_epochs == 0:  # the initial model's evaluation, before epoch 0
+                               f"{self.steps_per_epoch or 'as many as the stream gives'} steps per epoch")
+        if self.cfg.epochs == 0:  # the initial model's evaluation, before epoch 0
             self.reporter.log({"kind": "eval", "epoch": 0, "step": self.progress.global_step, **self._evaluation()})
-        while self.progress.epoch < self.cfg.max_epochs:
+        while not self._done():
             if self._run_epoch(self.progress.epoch) == "preempted":
                 self._save()
                 self.checkpointer.commit()
@@ -180,21 +185,26 @@ class Trainer:
     def _run_epoch(self, epoch: int) -> str:
         """One pass over this rank's shard: ``"done"``, or ``"preempted"`` after a stop signal.
         A snapshot or a stop due at the epoch's last step waits for the epoch's record, so a
-        snapshot at an epoch's end always resumes at the next epoch's start."""
+        snapshot at an epoch's end always resumes at the next epoch's start. ``--max-steps``
+        may end the run inside an epoch: its record then says ``"partial": true``."""
         self.batches.set_epoch(epoch, start_step=self.progress.step_in_epoch)
         if self.cfg.log_ranks:  # the tutorial's per-rank line (Steps: optimizer steps)
-            say(f"{self.ctx.tag} Epoch:{epoch}|Batchsize:{self.cfg.batch_size}|Steps:{self.steps_per_epoch}")
+            say(f"{self.ctx.tag} Epoch:{epoch}|Batchsize:{self.cfg.batch_size}|Steps:{self.steps_per_epoch or '?'}")
         self.reporter.epoch_started(epoch, self.steps_per_epoch, self.progress.step_in_epoch)
         started, samples = time.perf_counter(), 0
-        micro_batches = iter(self.batches)
-        save = stop = False
-        while self.progress.step_in_epoch < self.steps_per_epoch:
+        steps = self.batches.steps()
+        save = stop = ended = exhausted = False
+        while not ended:
             fetching = time.perf_counter()
-            group = list(itertools.islice(micro_batches, self.cfg.grad_accum))
+            group = next(steps, None)
+            if group is None:  # the epoch is over
+                exhausted = True
+                break
             stepping = time.perf_counter()
             loss = self._run_batch(group)
             self.timings.add_step(stepping - fetching, time.perf_counter() - stepping)
             samples += group[0][1].step_samples
+            self.progress.epoch_samples += group[0][1].step_samples
             self.progress.step_in_epoch += 1
             self.progress.global_step += 1
             if loss is None:  # skipped: not finite (--skip-nonfinite)
@@ -204,20 +214,41 @@ class Trainer:
             self.first_step_at = self.first_step_at or time.time()
             shown = loss is not None and self.progress.global_step % LOSS_DISPLAY_EVERY == 0
             self.reporter.step_done(loss * self.ctx.world_size if shown else None)  # rank 0's own mean loss
+            ended = self._steps_reached()  # the run's last step: nothing can wait for a next one
             decision = self.stop_signal.check()
-            stop = decision.stop
+            stop = decision.stop and not ended
             save = decision.snapshot or self.checkpointer.due_by_steps(self.progress.global_step)
             if stop:
                 break
-            if save and self.progress.step_in_epoch < self.steps_per_epoch:
+            if save and self._epoch_goes_on() and not ended:
                 self._save()
                 save = False
+            if not ended and self._eval_every_steps_due():
+                self.reporter.log({"kind": "eval", "epoch": epoch, "step": self.progress.global_step,
+                                   **self._evaluation()})
         self.reporter.epoch_finished()
-        if self.progress.step_in_epoch == self.steps_per_epoch:
+        if exhausted or not self._epoch_goes_on():
             self._end_epoch(epoch, time.perf_counter() - started, samples)
             if save and not stop:
                 self._save()
+        elif ended:
+            self._end_epoch(epoch, time.perf_counter() - started, samples, partial=True)
         return "preempted" if stop else "done"
+
+    def _steps_reached(self) -> bool:
+        return self.cfg.max_steps is not None and self.progress.global_step >= self.cfg.max_steps
+
+    def _done(self) -> bool:
+        """Whether the run has reached its end: ``--max-epochs`` or ``--max-steps``, the first."""
+        return self.progress.epoch >= self.cfg.epochs or self._steps_reached()
+
+    def _epoch_goes_on(self) -> bool:
+        """Whether the epoch has steps left (a stream's: unknown until it ends, so yes)."""
+        return self.steps_per_epoch is None or self.progress.step_in_epoch < self.steps_per_epoch
+
+    def _eval_every_steps_due(self) -> bool:
+        every = self.cfg.eval_every_steps
+        return self.task.eval_set is not None and every > 0 and self.progress.global_step % every == 0
 
     def _run_batch(self, group: list[tuple[Any, MicroBatch]]) -> torch.Tensor | None:
         """One optimizer step over ``group`` (``--grad-accum`` micro-batches). Returns this
@@ -321,9 +352,10 @@ class Trainer:
             self.scheduler.step()
 
     # --- epoch ends, evaluation, the end -------------------------------------------------------
-    def _end_epoch(self, epoch: int, seconds: float, samples: int) -> None:
-        """The epoch's record (``samples``: the epoch's, every sample once; the rate: this
-        process's, ``samples`` of them in ``seconds``)."""
+    def _end_epoch(self, epoch: int, seconds: float, samples: int, partial: bool = False) -> None:
+        """The epoch's record (``samples``: trained in the epoch over every rank, every sample
+        once; the rate: this process's, ``samples`` of them in ``seconds``). ``partial``: the
+        run ends inside the epoch (--max-steps), which stays where it is."""
         reduced = self._reduce(with_figures=True)
         loss_steps = int(reduced["loss_steps"])
         per_rank = reduced["figures"].tolist()  # each rank's row: 3 timings, then 2 memory figures
@@ -332,21 +364,31 @@ class Trainer:
             "train_loss": float(reduced["loss_total"]) / loss_steps if loss_steps else float("nan"),
             "lr": self.optimizer.param_groups[0]["lr"],
             "samples_per_s": round(samples / seconds, 1) if seconds > 0 else None,
-            "epoch_time_s": round(seconds, 3), "samples": self.sampler.dataset_len, "time": round(time.time(), 3),
+            "epoch_time_s": round(seconds, 3), "samples": self._epoch_samples(partial), "time": round(time.time(), 3),
             **timing_record([row[:3] for row in per_rank]),
             "memory_mb": memory_record([row[3:] for row in per_rank]),
         }
-        skipped = [s for s in self.guard.skipped if self.guard.epoch_of(s) == epoch]
+        if partial:
+            record["partial"] = True
+        skipped = self.guard.skipped_after(self.progress.global_step - self.progress.step_in_epoch)
         if skipped:
             record["skipped_steps"] = skipped
         if not self.first_step_reported and self.first_step_at is not None:
             record["first_step_at"] = self.first_step_at
             self.first_step_reported = True
-        if self._eval_due(epoch):
+        if self._eval_due(epoch, final=partial or epoch + 1 >= self.cfg.epochs or self._steps_reached()):
             record.update(self._evaluation())
         self.reporter.log(record)
-        self.progress.epoch, self.progress.step_in_epoch = epoch + 1, 0
-        self.losses.reset(first_step=self.progress.global_step)
+        if not partial:
+            self.progress.epoch, self.progress.step_in_epoch, self.progress.epoch_samples = epoch + 1, 0, 0
+            self.losses.reset(first_step=self.progress.global_step)
+
+    def _epoch_samples(self, partial: bool) -> int:
+        """A whole epoch of a map-style set trains every sample once (so snapshots of 0.3, which
+        did not count, resume to the right figure); otherwise, what was counted."""
+        if partial or self.steps_per_epoch is None:
+            return self.progress.epoch_samples
+        return self.batches.epoch_samples  # type: ignore[union-attr]
 
     def _reduce(self, with_figures: bool = False) -> dict[str, torch.Tensor]:
         """One all-reduce: the epoch's loss sums, whether every rank's losses and weights are
@@ -367,14 +409,14 @@ class Trainer:
             "first_bad_step": first_bad_step, "figures": figures,
         }, self.watchdog, "summing the loss over the ranks", self.progress.global_step)
         self.guard.check([int(s) for s in reduced["first_bad_step"].tolist()], int(reduced["bad_weights"]) == 0,
-                         self.progress.global_step, self.checkpointer.newest_path())
+                         self.progress.global_step, self.progress.epoch, self.checkpointer.newest_path())
         return reduced
 
-    def _eval_due(self, epoch: int) -> bool:
+    def _eval_due(self, epoch: int, final: bool) -> bool:
         if self.task.eval_set is None:
             return False
         every = self.cfg.eval_every
-        return epoch == self.cfg.max_epochs - 1 or (every > 0 and (epoch + 1) % every == 0)
+        return final or (every > 0 and (epoch + 1) % every == 0)
 
     def _evaluation(self) -> dict[str, Any]:
         if self.eval_batches is None:
@@ -425,10 +467,31 @@ class Trainer:
         """The last step whose metrics.jsonl records stay on resume (later steps run again)."""
         if start is None:
             return None
-        at_epoch_end = self.progress.step_in_epoch == self.steps_per_epoch  # its record is logged again
+        at_epoch_end = self.progress.step_in_epoch == self.steps_per_epoch  # its record is logged again (0.2)
         return self.progress.global_step - 1 if at_epoch_end else self.progress.global_step
+
+    def _training_batches(self) -> TrainBatches | StreamBatches:
+        cfg, ctx, task = self.cfg, self.ctx, self.task
+        if is_stream(task.train_set):
+            return StreamBatches(task.train_set, ctx.rank, ctx.world_size, cfg.batch_size,  # type: ignore[arg-type]
+                                 cfg.grad_accum, self.device, cfg.workers, task.collate_fn, cfg.seed,
+                                 self.cpu_group, self.watchdog)
+        sampler = StepSampler(len(task.train_set), ctx.world_size, ctx.rank,  # type: ignore[arg-type]
+                              cfg.batch_size, cfg.grad_accum, cfg.seed)
+        return TrainBatches(task.train_set, sampler, self.device, cfg.workers, task.collate_fn)
+
+    def _total_steps(self) -> int | None:
+        """The run's length in optimizer steps (None: unknown, a stream trained by epochs)."""
+        limits = [self.cfg.max_steps] if self.cfg.max_steps is not None else []
+        if self.steps_per_epoch is not None and not math.isinf(self.cfg.epochs):
+            limits.append(self.steps_per_epoch * int(self.cfg.epochs))
+        return min(limits) if limits else None
 
     def _build_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
         if self.cfg.lr_schedule == "constant" and self.cfg.warmup_steps == 0:
             return None  # nothing to step
-        return build_scheduler(self.optimizer, self.cfg, self.steps_per_epoch * self.cfg.max_epochs)
+        total = self._total_steps()
+        if total is None and self.cfg.lr_schedule != "constant":
+            raise ConfigError(f"--lr-schedule {self.cfg.lr_schedule} needs the run's length, and an iterable "
+                              "training set's epoch has no known length; give --max-steps")
+        return build_scheduler(self.optimizer, self.cfg, total or 1)

@@ -19,6 +19,8 @@ CASES = [
     (["--batch-size", "0"], {}, "--batch-size must be at least 1"),
     (["--batch-size", "abc"], {}, "--batch-size needs a whole number"),
     (["--max-epochs", "-1"], {}, "--max-epochs must be 0 or more"),
+    (["--max-steps", "0"], {}, "--max-steps must be at least 1 (leave it out to train by epochs), got 0"),
+    (["--eval-every-steps", "-1"], {}, "--eval-every-steps must be >= 0"),
     (["--nproc", "0"], {}, "--nproc must be at least 1"),
     (["--nproc", "many"], {}, "--nproc must be a number or 'auto'"),
     (["--frobnicate"], {}, "unrecognized arguments: --frobnicate"),
@@ -84,7 +86,12 @@ CASES = [
     (["--task", TASKS + "integer_step"], {}, "Task.step_fn returned a tensor of shape () and dtype int64, not a scalar "
                                              "floating-point loss"),
     (["--task", TASKS + "detached_step"], {}, "Task.step_fn returned a loss that does not depend on any trainable"),
-    (["--task", TASKS + "iterable_with_len"], {}, "Task.train_set is an IterableDataset; ddptrain shards map-style"),
+    (["--task", TASKS + "failing_stream"], {}, "the training set's iterator failed before its first batch: "
+                                               "FileNotFoundError: shard-00000.jsonl is missing"),
+    (["--task", TASKS + "failing_stream", "--workers", "2"], {}, "the training set's iterator failed before its "
+                                                                 "first batch: FileNotFoundError: shard-00000.jsonl"),
+    (["--task", TASKS + "stream", "--lr-schedule", "cosine"], {},
+     "--lr-schedule cosine needs the run's length, and an iterable training set's epoch has no known length"),
     (["--task", TASKS + "empty_eval_set"], {}, "Task.eval_set is empty; give it samples, or leave it None"),
     (["--task", TASKS + "unused_parameters"], {}, "parameter(s) unused.weight, unused.bias got no gradient in the "
                                                   "first step; use them in the loss"),

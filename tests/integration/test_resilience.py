@@ -92,7 +92,7 @@ def _nan_step() -> tuple[int, int]:
     data = regression_data(0)
     for rank in (0, 1):
         sampler = StepSampler(len(data), 2, rank, 32)
-        for step, micro in enumerate(sampler.micro_batches()):
+        for step, micro in enumerate(sampler.micro_batches(sampler.order())):
             if 100 in micro.indices.tolist():
                 return rank, step + 1
     raise AssertionError("sample 100 is in no shard")

@@ -24,22 +24,23 @@ def test_a_snapshot_at_an_epochs_last_step_resumes_at_its_end():
 
 
 def test_one_table_holds_several_components_states():
-    guard = NonFiniteGuard(skip_limit=3, steps_per_epoch=10)
+    guard = NonFiniteGuard(skip_limit=3)
     guard.skip(4)
     table = OneTable(Progress(2, 3, 23), guard)
-    assert table.state_dict() == {"epoch": 2, "step_in_epoch": 3, "global_step": 23, "skipped_steps": [4]}
-    progress, restored = Progress(), NonFiniteGuard(skip_limit=3, steps_per_epoch=10)
+    assert table.state_dict() == {"epoch": 2, "step_in_epoch": 3, "global_step": 23, "epoch_samples": 0,
+                                  "skipped_steps": [4]}
+    progress, restored = Progress(), NonFiniteGuard(skip_limit=3)
     OneTable(progress, restored).load_state_dict(table.state_dict())
     assert progress == Progress(2, 3, 23) and restored.skipped == [4]
 
 
 def test_the_guard_keeps_its_skipped_steps_across_a_resume():
-    guard = NonFiniteGuard(skip_limit=3, steps_per_epoch=10)
+    guard = NonFiniteGuard(skip_limit=3)
     guard.skip(4)
     guard.skip(13)
-    restored = NonFiniteGuard(skip_limit=3, steps_per_epoch=10)
+    restored = NonFiniteGuard(skip_limit=3)
     restored.load_state_dict(guard.state_dict())
-    assert restored.skipped == [4, 13] and [restored.epoch_of(s) for s in restored.skipped] == [0, 1]
+    assert restored.skipped == [4, 13] and restored.skipped_after(10) == [13]  # epoch 1's, 10 steps each
     restored.load_state_dict({})  # a snapshot without skips
     assert restored.skipped == []
 

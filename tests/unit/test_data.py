@@ -4,14 +4,8 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from ddptrain.data import (
-    EvalBatches,
-    StepSampler,
-    TrainBatches,
-    eval_batch_ranges,
-    eval_shard,
-    to_device,
-)
+from ddptrain.data import EvalBatches, StepSampler, TrainBatches, to_device
+from ddptrain.data.batches import eval_batch_ranges, eval_shard
 
 DATA = TensorDataset(torch.arange(50, dtype=torch.float32).unsqueeze(1), torch.arange(50))
 
@@ -19,7 +13,7 @@ DATA = TensorDataset(torch.arange(50, dtype=torch.float32).unsqueeze(1), torch.a
 def plan(n, world, rank, batch, accum=1, epoch=0, seed=0, start=0):
     sampler = StepSampler(n, world, rank, batch, accum, seed)
     sampler.set_epoch(epoch)
-    return sampler.micro_batches(start)
+    return list(sampler.micro_batches(sampler.order(), start))
 
 
 def steps(n, world, batch, accum=1, epoch=0):
@@ -94,7 +88,8 @@ def test_fast_path_and_dataloader_give_identical_batches():
     slow_batches = TrainBatches(DATA, sampler, torch.device("cpu"), fast_path=False)
     fast_batches.set_epoch(1)
     slow_batches.set_epoch(1)
-    fast, slow = list(fast_batches), list(slow_batches)
+    fast, slow = ([pair for step in batches.steps() for pair in step] for batches in (fast_batches, slow_batches))
+    fast, slow = list(fast), list(slow)
     assert len(fast) == len(slow) == sampler.steps == 7
     for (a, micro_a), (b, micro_b) in zip(fast, slow):
         assert torch.equal(micro_a.indices, micro_b.indices) and micro_a.samples == micro_b.samples
@@ -162,4 +157,4 @@ def test_a_data_set_with_set_epoch_hears_each_epoch_even_in_workers():
     batches = TrainBatches(data, StepSampler(len(data), 1, 0, 4), torch.device("cpu"), workers=2)
     for epoch in (3, 4):
         batches.set_epoch(epoch)
-        assert {int(e) for batch, _ in batches for e in batch[:, 1]} == {epoch}
+        assert {int(e) for step in batches.steps() for batch, _ in step for e in batch[:, 1]} == {epoch}

@@ -29,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from .. import tasks
 from ..config import RunConfig
 from ..console import say
+from ..data import is_stream
 from ..errors import ConfigError, PeerFailed, PeerStuck
 from ..resilience.failures import hard_exit, record_error
 from ..resilience.hold import RunDirHold, job_id
@@ -167,7 +168,8 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
         write_pid_file(run_dir, env.rank)
         watchdog.phase("start-up: building the task")
         task = tasks.build(cfg, factory)
-        check_batch_fits(len(task.train_set), env.world_size, cfg.batch_size)  # type: ignore[arg-type]
+        if not is_stream(task.train_set):
+            check_batch_fits(len(task.train_set), env.world_size, cfg.batch_size)  # type: ignore[arg-type]
         with joined(env, device_kind, backend, cfg.timeout, store, watchdog) as ctx:
             status = Trainer(task, cfg, ctx).fit()
     except ConfigError as error:  # the same on every rank: each returns it, the launcher says it once
@@ -216,9 +218,11 @@ def outcome_message(status: str, cfg: RunConfig) -> str:
                 "run the same command to resume")
     if status == "already_finished":
         model = Path(cfg.run_dir or "") / "model.pt"
-        done = (f"already finished {cfg.max_epochs} epoch(s); its model is {model}" if model.exists() else
-                f"was stopped past {cfg.max_epochs} epoch(s), before writing model.pt")
-        return (f"{cfg.run_dir} holds a run that {done}. To train it longer, pass a larger --max-epochs; "
+        length, flag = ((f"{cfg.max_steps} step(s)", "--max-steps") if cfg.max_steps is not None and
+                        (cfg.max_epochs is None) else (f"{cfg.epochs:g} epoch(s)", "--max-epochs"))
+        done = (f"already finished {length}; its model is {model}" if model.exists() else
+                f"was stopped past {length}, before writing model.pt")
+        return (f"{cfg.run_dir} holds a run that {done}. To train it longer, pass a larger {flag}; "
                 "to train afresh, pass --resume never or another --run-dir")
     return f"model saved to {cfg.run_dir}/model.pt"
 

@@ -34,7 +34,8 @@ class EpochLosses:
     """This rank's per-step losses since the epoch began (or since a resume), on the device."""
 
     def __init__(self, device: torch.device, capacity: int, carries: bool = True) -> None:
-        """``capacity``: steps per epoch; ``carries``: this rank adds a resumed epoch's loss so
+        """``capacity``: steps per epoch (a guess for a stream: the slots grow); ``carries``: this
+        rank adds a resumed epoch's loss so
         far into its next reduction (rank 0 alone, as the sums are over every rank)."""
         self.device, self.capacity, self.carries = device, max(1, capacity), carries
         self.reset(first_step=0)
@@ -60,6 +61,8 @@ class EpochLosses:
         self.reset(state["global_step"], carried=saved if self.carries else (0.0, 0))
 
     def add(self, loss: torch.Tensor) -> None:
+        if self.count == len(self.slots):  # a stream's epoch, longer than guessed: twice the room
+            self.slots = torch.cat([self.slots, torch.zeros_like(self.slots)])
         self.slots[self.count] = loss.detach()  # one copy, promoted to float64, no host sync
         self.count += 1
 

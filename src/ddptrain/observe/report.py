@@ -46,7 +46,8 @@ class Reporter:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(cfg.to_json() + "\n")
         if resumed_step is not None:
-            kept = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= resumed_step]
+            # A partial epoch's record ended an earlier run (--max-steps); the epoch goes on now.
+            kept = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= resumed_step and not r.get("partial")]
             (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
         if cfg.tensorboard:
             self.tb = _tensorboard_writer(self.run_dir)
@@ -58,7 +59,8 @@ class Reporter:
             say(message)
 
     # --- progress bar ------------------------------------------------------------------------
-    def epoch_started(self, epoch: int, steps: int, done: int) -> None:
+    def epoch_started(self, epoch: int, steps: int | None, done: int) -> None:
+        """``steps``: the epoch's optimizer steps (None: a stream's, unknown)."""
         show = self.cfg.progress if self.cfg.progress is not None else sys.stderr.isatty()
         if not show:
             return
@@ -113,7 +115,7 @@ class NullReporter(Reporter):
     def info(self, message: str) -> None:
         pass
 
-    def epoch_started(self, epoch: int, steps: int, done: int) -> None:
+    def epoch_started(self, epoch: int, steps: int | None, done: int) -> None:
         pass
 
     def log(self, record: dict[str, Any]) -> None:
@@ -126,6 +128,8 @@ class NullReporter(Reporter):
 def console_line(record: dict[str, Any]) -> str:
     """``epoch 3 | step 128 | train_loss 1.962 | lr 0.001 | 13,930 samples/s | 0.15 s``."""
     first = "before training" if record.get("kind") == "eval" and not record["step"] else f"epoch {record['epoch']}"
+    if record.get("partial"):
+        first += " (partial: --max-steps)"
     parts = [first, f"step {record['step']}"]
     for key, value in record.items():
         if key == "train_loss" or key == "lr" or (key.startswith("eval_") and key != "eval_samples"):

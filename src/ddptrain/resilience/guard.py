@@ -36,8 +36,8 @@ def local_all_finite(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
 
 
 class NonFiniteGuard:
-    def __init__(self, skip_limit: int, steps_per_epoch: int, group: object = None) -> None:
-        self.skip_limit, self.steps_per_epoch, self.group = skip_limit, steps_per_epoch, group
+    def __init__(self, skip_limit: int, group: object = None) -> None:
+        self.skip_limit, self.group = skip_limit, group
         self.skipped: list[int] = []  # global steps skipped (in snapshots: resume stays exact)
 
     def state_dict(self) -> dict[str, Any]:
@@ -50,20 +50,23 @@ class NonFiniteGuard:
     def skipping(self) -> bool:
         return self.skip_limit > 0
 
-    def epoch_of(self, step: int) -> int:
-        return (step - 1) // self.steps_per_epoch
+    def skipped_after(self, step: int) -> list[int]:
+        """The steps skipped after global step ``step`` (an epoch's: after the one before it)."""
+        return [s for s in self.skipped if s > step]
 
-    def check(self, first_bad_steps: list[int], weights_finite: bool, step: int, last_snapshot: str | None) -> None:
+    def check(self, first_bad_steps: list[int], weights_finite: bool, step: int, epoch: int,
+              last_snapshot: str | None) -> None:
         """Raise NonFiniteError if any rank saw a non-finite loss or holds non-finite weights.
 
-        ``first_bad_steps``: every rank's first non-finite step (0: none); ``weights_finite``:
-        on every rank. Both already reduced over the ranks."""
+        ``first_bad_steps``: every rank's first non-finite step (0: none) of the current
+        ``epoch`` (the losses are reduced within an epoch); ``weights_finite``: on every rank.
+        Both already reduced over the ranks."""
         bad = {rank: s for rank, s in enumerate(first_bad_steps) if s > 0}
         kept = f"last good snapshot: {last_snapshot}" if last_snapshot else "no snapshot was written"
         if bad:
             first = min(bad.values())
             ranks = ", ".join(str(r) for r, s in bad.items() if s == first)
-            raise NonFiniteError(f"the loss was not finite at step {first} (epoch {self.epoch_of(first)}) on "
+            raise NonFiniteError(f"the loss was not finite at step {first} (epoch {epoch}) on "
                                  f"rank {ranks}; nothing non-finite was saved ({kept}); {REMEDY}")
         if not weights_finite:
             raise NonFiniteError(f"the weights stopped being finite before step {step} (a non-finite "

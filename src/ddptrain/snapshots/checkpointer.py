@@ -63,12 +63,15 @@ class Weights(Protocol):
 
 class Checkpointer:
     def __init__(self, cfg: RunConfig, ctx: DistContext, run_dir: Path, strategy: Any, marks: CollectiveMarks,
-                 weights: Weights, states: Mapping[str, Stateful], start: Snapshot | None = None,
-                 group: Any = None) -> None:
-        """``start``: the snapshot the run resumes from (restore.restore_point), loaded by
-        ``resume``; ``group``: a gloo group for the random states (None: the default group)."""
+                 weights: Weights, states: Mapping[str, Stateful], per_rank: Mapping[str, Stateful] | None = None,
+                 start: Snapshot | None = None, group: Any = None) -> None:
+        """``per_rank``: states every rank has its own of (a stream's reading position), saved as
+        a list by rank and handed back whole on resume; ``start``: the snapshot the run resumes
+        from (restore.restore_point), loaded by ``resume``; ``group``: a gloo group for the
+        random and per-rank states (None: the default group)."""
         self.cfg, self.ctx, self.group, self.marks = cfg, ctx, group, marks
         self.weights, self.states, self.start = weights, dict(states), start
+        self.per_rank = dict(per_rank or {})
         self.dir = files.snapshot_dir(run_dir)
         self.sharded = strategy.snapshot_format == "dcp"
         if self.sharded:  # DCP's background writes talk on a group of their own
@@ -90,6 +93,9 @@ class Checkpointer:
         self.weights.load_state_dict(state, whole)
         for name, stateful in self.states.items():
             stateful.load_state_dict(state.get(name) or {})
+        for name, stateful in self.per_rank.items():
+            if state.get(name) is not None:
+                stateful.load_state_dict(state[name])  # type: ignore[arg-type] - the list by rank
 
     def resume(self) -> bool:
         """Load the restore point into every component (and, on the same world size, this rank's
@@ -132,11 +138,12 @@ class Checkpointer:
             self.writer.wait()
         with self.marks.waiting("snapshot: gathering every rank's random state", global_step):
             rng_states = files.gather_rng_states(self.ctx.world_size, self.group)
+        by_rank = self._gather_per_rank(global_step)
         self._check_visible(self.saved_step)
         meta = {"format_version": files.FORMAT_VERSION, "world_size": self.ctx.world_size,
                 "batch_size": self.cfg.batch_size,
                 "global_batch": self.cfg.global_batch(self.ctx.world_size),
-                "fingerprint": self.cfg.math_fingerprint(self.ctx.world_size), "rng": rng_states}
+                "fingerprint": self.cfg.math_fingerprint(self.ctx.world_size), "rng": rng_states, **by_rank}
         if self.sharded:
             state = self.state_dict()
             shards = {"model": state.pop("model"), "optimizer": state.pop("optimizer")}
@@ -147,6 +154,20 @@ class Checkpointer:
         self.saved_step = global_step
         self.last_saved_at = time.perf_counter()
         self.cost_s = max(self.cost_s, self.last_saved_at - started)
+
+    def _gather_per_rank(self, global_step: int) -> dict[str, list[Any]]:
+        """Every rank's per-rank states, as lists by rank on rank 0 (which writes them)."""
+        if not self.per_rank:
+            return {}
+        mine = {name: stateful.state_dict() for name, stateful in self.per_rank.items()}
+        if self.ctx.world_size == 1:
+            return {name: [state] for name, state in mine.items()}
+        gathered: list[Any] = [None] * self.ctx.world_size if self.ctx.is_main else []
+        with self.marks.waiting("snapshot: gathering every rank's data position", global_step):
+            dist.gather_object(mine, gathered if self.ctx.is_main else None, dst=0, group=self.group)
+        if not self.ctx.is_main:
+            return {}
+        return {name: [states[name] for states in gathered] for name in mine}
 
     def commit(self) -> None:
         """Wait until the newest snapshot is on disk and every rank can see it."""

@@ -66,17 +66,15 @@ def check_task(task: Any, name: str) -> None:
                          ("eval_fn", task.eval_fn), ("loss_fn", task.loss_fn), ("blocks", task.blocks)):
         if value is not None and not callable(value):
             raise ConfigError(f"--task {name}: Task.{name_} is {type(value).__name__}, not a function")
-    if isinstance(task.train_set, IterableDataset):
-        raise ConfigError(f"--task {name}: Task.train_set is an IterableDataset; ddptrain shards map-style "
-                          "data sets (torch.utils.data.Dataset with __len__ and __getitem__) so that every "
-                          "sample trains once per epoch")
-    try:
-        len(task.train_set)  # type: ignore[arg-type]
-    except TypeError:
-        raise ConfigError(f"--task {name}: Task.train_set has no len(); ddptrain shards map-style "
-                          "data sets (torch.utils.data.Dataset with __len__ and __getitem__)") from None
-    if len(task.train_set) == 0:  # type: ignore[arg-type]
-        raise ConfigError(f"--task {name}: Task.train_set is empty")
+    if not isinstance(task.train_set, IterableDataset):  # map-style: every rank samples its own share
+        try:
+            len(task.train_set)  # type: ignore[arg-type]
+        except TypeError:
+            raise ConfigError(f"--task {name}: Task.train_set has no len(); give a map-style data set "
+                              "(torch.utils.data.Dataset with __len__ and __getitem__) or an IterableDataset "
+                              "(see docs/data.md)") from None
+        if len(task.train_set) == 0:  # type: ignore[arg-type]
+            raise ConfigError(f"--task {name}: Task.train_set is empty")
     if task.eval_set is not None:
         if isinstance(task.eval_set, IterableDataset) or not hasattr(task.eval_set, "__len__"):
             raise ConfigError(f"--task {name}: Task.eval_set must be a map-style data set (__len__ and "

@@ -1,20 +1,5 @@
-"""Which samples each rank sees, and how batches reach the device.
-
-Training is exact on any data-set size: ``StepSampler`` shuffles the set once per epoch (the
-permutation torch's ``DistributedSampler`` draws: ``randperm`` seeded with seed + epoch) and
-optimizer step t trains on the permutation's slice ``[t*G, (t+1)*G)`` (G: the global batch,
-ranks x batch x accumulation), the last step on what is left. Every sample trains exactly once
-per epoch: no padding (DistributedSampler repeats samples to even out the ranks, pytorch
-issue 25162) and nothing dropped. A step's slice is cut into ``grad_accum`` consecutive
-micro-chunks as evenly as possible and rank r takes positions r, r+W, ... of each, so full
-steps are rank-strided exactly as DistributedSampler's, and the same global batch gives the
-same steps on any world size (resuming on another number of ranks keeps the sample order).
-
-Each micro-batch carries its sample counts (``MicroBatch``), known on every rank without
-communication: the Trainer weighs its loss by its share of the step, so a step's gradient is
-the mean over the samples really in it. A rank with no sample in a micro-batch (only in a
-short last step) gets one stand-in sample with weight 0: it still runs the forward and
-backward every rank runs, so collectives stay matched and nothing hangs.
+"""How batches reach the device, for training (``TrainBatches``: a map-style set's planned
+micro-batches, grouped into optimizer steps) and for evaluation (``EvalBatches``).
 
 Evaluation cuts the set into the same consecutive batches for any world size; rank r takes
 batches r, r+W, ... (no padding, no duplicates), so its figures can be exact (observe/metrics.py).
@@ -31,13 +16,15 @@ moved to the device; other leaves (strings, numbers) pass through unchanged.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
+
+from .sampling import MicroBatch, StepSampler
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -55,77 +42,6 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device, non_blocking) for v in batch)
     return batch
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """One micro-batch of this rank: which samples, and its share of the optimizer step."""
-
-    indices: torch.Tensor  # this rank's samples (one stand-in sample when it has none)
-    samples: int  # this rank's real samples in it (0: a stand-in, weight 0)
-    step_samples: int  # samples in the whole optimizer step, over every rank and micro-batch
-    world_size: int
-
-    @property
-    def weight(self) -> float:
-        """What this micro-batch's mean loss is multiplied by so that the ranks' gradients,
-        averaged by DDP/FSDP over the world size, are the mean over the step's samples."""
-        return self.samples * self.world_size / self.step_samples
-
-
-class StepSampler:
-    """This rank's samples at every optimizer step of an epoch (see the module docstring)."""
-
-    def __init__(self, dataset_len: int, world_size: int, rank: int, batch_size: int, grad_accum: int = 1,
-                 seed: int = 0, shuffle: bool = True) -> None:
-        self.dataset_len, self.world_size, self.rank = dataset_len, world_size, rank
-        self.batch_size, self.grad_accum, self.seed, self.shuffle = batch_size, grad_accum, seed, shuffle
-        self.global_batch = world_size * batch_size * grad_accum
-        self.epoch = 0
-
-    @property
-    def steps(self) -> int:
-        """Optimizer steps per epoch (the last may be short)."""
-        return -(-self.dataset_len // self.global_batch)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def order(self) -> torch.Tensor:
-        """The epoch's permutation (DistributedSampler's, for the same seed and epoch)."""
-        if not self.shuffle:
-            return torch.arange(self.dataset_len)
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.dataset_len, generator=generator)
-
-    def micro_batches(self, start_step: int = 0) -> list[MicroBatch]:
-        """This rank's micro-batches of the epoch from optimizer step ``start_step`` on:
-        ``grad_accum`` of them per step, on every rank."""
-        order, world, rank = self.order(), self.world_size, self.rank
-        full_steps = self.dataset_len // self.global_batch
-        result = []
-        if start_step < full_steps:  # one view: [micro-batch, position, rank]
-            full = order[start_step * self.global_batch:full_steps * self.global_batch]
-            rows = full.view(-1, self.batch_size, world)[:, :, rank]
-            result = [MicroBatch(row, self.batch_size, self.global_batch, world) for row in rows]
-        if full_steps < self.steps and start_step <= full_steps:
-            result += self._short_step(order[full_steps * self.global_batch:])
-        return result
-
-    def _short_step(self, rest: torch.Tensor) -> list[MicroBatch]:
-        """The last step's micro-batches: ``rest`` cut into grad_accum chunks as even as can be."""
-        total, parts = len(rest), self.grad_accum
-        sizes = [total // parts + (1 if k < total % parts else 0) for k in range(parts)]
-        batches, offset = [], 0
-        for size in sizes:
-            mine = rest[offset:offset + size][self.rank::self.world_size]
-            offset += size
-            if len(mine):
-                batches.append(MicroBatch(mine, len(mine), total, self.world_size))
-            else:  # nothing for this rank: a stand-in (the step's first sample) with weight 0
-                batches.append(MicroBatch(rest[:1], 0, total, self.world_size))
-        return batches
 
 
 def uses_fast_path(dataset: Dataset, collate_fn: Callable[..., Any] | None) -> bool:
@@ -169,42 +85,59 @@ class _PlannedBatches(Sampler[list[int]]):
         self.owner = owner
 
     def __iter__(self) -> Iterator[list[int]]:
-        return (micro.indices.tolist() for micro in self.owner.plan)
+        return (micro.indices.tolist() for micro in self.owner.plan())  # type: ignore[union-attr]
 
     def __len__(self) -> int:
-        return len(self.owner.plan)
+        return self.owner.micro_batch_count()
 
 
 class TrainBatches(_Batches):
-    """Yields ``(batch, MicroBatch)`` for this rank's micro-batches of one epoch, on the device."""
+    """This rank's optimizer steps of one epoch of a map-style set: each a list of ``grad_accum``
+    ``(batch, MicroBatch)`` pairs, the batches on the device."""
 
     def __init__(self, dataset: Dataset, sampler: StepSampler, device: torch.device, workers: int = 0,
                  collate_fn: Callable[..., Any] | None = None, fast_path: bool | None = None) -> None:
         super().__init__(dataset, device, workers, collate_fn, fast_path)
         self.sampler = sampler
-        self.plan: list[MicroBatch] = []
+        self.order, self.start_step = torch.arange(0), 0
         if not self.fast_path:
             # A data set with set_epoch needs fresh workers each epoch to see the new epoch.
             persistent = workers > 0 and not hasattr(dataset, "set_epoch")
             self.loader = self._loader(batch_sampler=_PlannedBatches(self), persistent_workers=persistent)
 
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.sampler.steps
+
+    @property
+    def epoch_samples(self) -> int:
+        return self.sampler.dataset_len
+
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
         """Shuffle for ``epoch`` and begin at optimizer step ``start_step`` (resume); a data set
         with its own ``set_epoch`` (epoch-dependent augmentation) hears it too."""
         self.sampler.set_epoch(epoch)
-        self.plan = self.sampler.micro_batches(start_step)
+        self.order, self.start_step = self.sampler.order(), start_step
         self.generator.manual_seed(self.sampler.seed * 1_000_003 + epoch)  # workers' seeds: (seed, epoch)
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
 
-    def __len__(self) -> int:
-        return len(self.plan)
+    def plan(self) -> Iterator[MicroBatch]:
+        return self.sampler.micro_batches(self.order, self.start_step)
 
-    def __iter__(self) -> Iterator[tuple[Any, MicroBatch]]:
+    def micro_batch_count(self) -> int:
+        return (self.sampler.steps - self.start_step) * self.sampler.grad_accum
+
+    def steps(self) -> Iterator[list[tuple[Any, MicroBatch]]]:
+        """The epoch's remaining optimizer steps, ``grad_accum`` micro-batches each."""
         if self.fast_path:
-            indices = (micro.indices.to(self.device) for micro in self.plan)
-            return zip(self._gather(indices), self.plan)
-        return zip(self._moved(self.loader), self.plan)
+            pairs: Iterator[tuple[Any, MicroBatch]] = (
+                (tuple(t[micro.indices.to(self.device)] for t in self.tensors), micro)  # type: ignore[union-attr]
+                for micro in self.plan())
+        else:
+            pairs = zip(self._moved(self.loader), self.plan())
+        while group := list(itertools.islice(pairs, self.sampler.grad_accum)):
+            yield group
 
 
 def eval_batch_ranges(dataset_len: int, batch_size: int) -> list[range]:

@@ -1,0 +1,137 @@
+"""Data at scale: --max-steps, iterable training sets (shares, uneven ends, exact resume) and
+token files larger than memory. Real ranks, real DataLoader workers, real SIGKILLs."""
+
+import collections
+import random
+
+import numpy as np
+import pytest
+
+from ddptrain import ConfigError, TrainingFailed
+from helpers.commands import assert_ok, assert_same_weights, clean_env, ddptrain_cli, fit, load_model, read_metrics
+
+TASKS = "ddptrain_test_tasks:"
+
+
+def _epochs(run_dir):
+    return [r for r in read_metrics(run_dir) if r["kind"] == "epoch"]
+
+
+# --- --max-steps -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_max_steps_trains_exactly_that_many_steps_across_epochs_and_resumes_bitwise(tmp_path):
+    """digits has 23 steps per epoch on 2 ranks x 32: --max-steps 50 ends inside epoch 2, whose
+    record says so; evaluations every 20 steps too; killed at step 41 and run again, the weights
+    are bitwise the uninterrupted run's; a later --max-steps 60 continues the finished run
+    bitwise as if it had never stopped, its partial record replaced."""
+    args = {"max_steps": 50, "save_every": 10, "eval_every_steps": 20}
+    fit("digits", tmp_path / "whole", **args)
+    records = read_metrics(tmp_path / "whole")
+    assert [(r["kind"], r["epoch"], r["step"], r.get("partial", False)) for r in records] == [
+        ("eval", 0, 20, False), ("epoch", 0, 23, False), ("eval", 1, 40, False), ("epoch", 1, 46, False),
+        ("epoch", 2, 50, True)]
+    assert records[1]["samples"] == records[3]["samples"] == 1797 - 359  # every training sample once
+    assert records[-1]["samples"] == 4 * 64 and "eval_accuracy" in records[-1]  # 4 steps; the final evaluation
+
+    env = {"KILL_RANK": "1", "KILL_STEP": "41", "KILL_MARKER": str(tmp_path / "killed")}
+    with pytest.raises(TrainingFailed):
+        fit(TASKS + "kill_digits", tmp_path / "resumed", env=env, **args)
+    fit(TASKS + "kill_digits", tmp_path / "resumed", env=env, **args)
+    assert_same_weights(load_model(tmp_path / "resumed"), load_model(tmp_path / "whole"), exact=True)
+    assert [r["step"] for r in read_metrics(tmp_path / "resumed")] == [20, 23, 40, 46, 50]
+
+    fit("digits", tmp_path / "whole", max_steps=60)  # the same run, longer
+    fit("digits", tmp_path / "straight", max_steps=60)
+    assert_same_weights(load_model(tmp_path / "whole"), load_model(tmp_path / "straight"), exact=True)
+    assert [(r["step"], r.get("partial", False)) for r in _epochs(tmp_path / "whole")] == [
+        (23, False), (46, False), (60, True)]
+
+
+# --- iterable training sets --------------------------------------------------------------------
+STREAM = {"max_steps": 60, "workers": 2, "batch_size": 8, "save_every": 5}
+
+
+@pytest.fixture(scope="module")
+def whole_stream(tmp_path_factory):
+    """250 samples on 2 ranks x 2 workers (4 readers of 62-63), 60 steps: 3 epochs of 16 steps
+    and 12 of a fourth, uninterrupted; every batch's sample ids recorded."""
+    base = tmp_path_factory.mktemp("stream")
+    (base / "ids").mkdir()
+    fit(TASKS + "stream", base / "run", env={"RECORD_DIR": str(base / "ids")}, **STREAM)
+    return base
+
+
+@pytest.mark.slow
+def test_a_stream_trains_every_sample_once_per_epoch_across_ranks_and_workers(whole_stream):
+    ids = collections.Counter(int(line) for path in (whole_stream / "ids").iterdir()
+                              for line in path.read_text().split())
+    epochs = _epochs(whole_stream / "run")
+    assert [(r["step"], r["samples"], r.get("partial", False)) for r in epochs] == [
+        (16, 250, False), (32, 250, False), (48, 250, False), (60, 12 * 16, True)]
+    # three whole epochs: each sample 3 times; the fourth epoch's 12 steps read ahead a little
+    assert set(ids) == set(range(250)) and min(ids.values()) >= 3
+    assert sum(ids.values()) - 3 * 250 >= 12 * 16
+
+
+@pytest.mark.slow
+def test_a_stream_killed_at_three_random_steps_resumes_bitwise(whole_stream, tmp_path):
+    for step in random.Random(20).sample(range(3, 59), 3):
+        env = {"KILL_RANK": str(step % 2), "KILL_STEP": str(step), "KILL_MARKER": str(tmp_path / f"killed-{step}")}
+        with pytest.raises(TrainingFailed):
+            fit(TASKS + "killable_stream", tmp_path / str(step), env=env, **STREAM)
+        fit(TASKS + "killable_stream", tmp_path / str(step), env=env, **STREAM)
+        assert_same_weights(load_model(tmp_path / str(step)), load_model(whole_stream / "run"), exact=True)
+
+
+@pytest.mark.slow
+def test_a_stream_without_state_resumes_by_reading_again_and_says_so(whole_stream, tmp_path, capfd):
+    env = {"KILL_RANK": "0", "KILL_STEP": "27", "KILL_MARKER": str(tmp_path / "killed")}
+    with pytest.raises(TrainingFailed):
+        fit(TASKS + "killable_stateless_stream", tmp_path / "run", env=env, **STREAM)
+    capfd.readouterr()
+    fit(TASKS + "killable_stateless_stream", tmp_path / "run", env=env, **STREAM)
+    assert_same_weights(load_model(tmp_path / "run"), load_model(whole_stream / "run"), exact=True)
+    said = [line for line in capfd.readouterr().out.splitlines() if "no state_dict()" in line]
+    assert said == ["the training stream has no state_dict(): reading epoch 1 again up to step 9 (slower, "
+                    "still exact; docs/data.md)"]
+
+
+@pytest.mark.slow
+def test_uneven_shares_end_the_epoch_on_every_rank_at_the_same_step(tmp_path):
+    """Shares of 100 and 130 samples, batch 10: rank 0 runs out after 10 steps and takes 3
+    more with stand-ins; both end each epoch at step 13, every sample trained."""
+    summary = fit(TASKS + "uneven_stream", tmp_path, batch_size=10, max_epochs=2, timeout=60)
+    assert [(r["step"], r["samples"]) for r in _epochs(tmp_path)] == [(13, 230), (26, 230)]
+    assert summary["steps"] == 26
+
+
+@pytest.mark.slow
+def test_a_stream_resumed_inside_an_epoch_on_another_world_size_is_one_line(whole_stream, tmp_path):
+    fit(TASKS + "stream", tmp_path, **{**STREAM, "max_steps": 20})  # ends inside epoch 1
+    with pytest.raises(ConfigError, match=r"^the snapshot stopped inside an epoch of an iterable training set "
+                                          r"read by 2 rank\(s\) x --workers 2; this run has 1 x 2"):
+        fit(TASKS + "stream", tmp_path, nproc=1, **{**STREAM, "max_steps": 40})
+
+
+# --- token files -------------------------------------------------------------------------------
+def _token_file(path, megabytes):
+    tokens = np.random.default_rng(0).integers(0, 256, size=megabytes * 2**19, dtype=np.uint16)
+    tokens.tofile(path)
+    return path
+
+
+@pytest.mark.slow
+def test_a_token_file_keeps_memory_flat_and_fit_equals_the_command(tmp_path):
+    """10 MB and 100 MB of tokens: the ranks' peak RSS differs by less than 10%; on the same
+    file ``ddptrain train`` and ``fit()`` train bitwise the same weights."""
+    args = ["train", "--task", TASKS + "token_file_lm", "--max-steps", "20", "--batch-size", "8", "--nproc", "2"]
+    peaks = {}
+    for megabytes in (10, 100):
+        tokens = _token_file(tmp_path / f"{megabytes}.bin", megabytes)
+        run_dir = tmp_path / f"cli-{megabytes}"
+        assert_ok(ddptrain_cli(*args, "--run-dir", str(run_dir), env=clean_env(TOKEN_FILE=str(tokens))))
+        peaks[megabytes] = _epochs(run_dir)[-1]["memory_mb"]["peak_rss_mb"]["max"]
+    assert abs(peaks[100] - peaks[10]) < 0.1 * peaks[10], peaks
+    fit(TASKS + "token_file_lm", tmp_path / "fit-10", env={"TOKEN_FILE": str(tmp_path / "10.bin")}, max_steps=20,
+        batch_size=8)
+    assert_same_weights(load_model(tmp_path / "fit-10"), load_model(tmp_path / "cli-10"), exact=True)
