@@ -9,11 +9,18 @@ library's own source). Dict batches, a collate_fn, step_fn and eval_fn.
 ``gpt2_lines_task`` trains on lines of different lengths, padded: its step_fn returns the
 loss as (sum over real tokens, token count), so each step is the mean over the global
 batch's tokens, exactly, on any number of ranks.
+
+``gpt2_tokens_task`` trains on a token file larger than memory (``ddptrain.data.TokenFile``,
+nanoGPT's ``.bin``), counted in steps:
+
+    python examples/write_tokens.py --out tokens.bin --repeat 100
+    python examples/hf_causal_lm.py --tokens tokens.bin --max_steps 200
 """
 
 import argparse
 import inspect
 import json
+import os
 import textwrap
 
 import torch
@@ -136,12 +143,46 @@ def gpt2_lines_task(cfg: ddptrain.RunConfig) -> ddptrain.Task:
     return task
 
 
+def next_token_step(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    """A TokenFile batch is (inputs, targets): targets are the inputs shifted by one token."""
+    inputs, targets = batch
+    logits = model(input_ids=inputs).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+@torch.no_grad()
+def evaluate_next_token(model: torch.nn.Module, batch: tuple) -> dict:
+    inputs, _ = batch
+    return {"loss": next_token_step(model, batch) * len(inputs), "samples": len(inputs)}
+
+
+def gpt2_tokens_task(cfg: ddptrain.RunConfig) -> ddptrain.Task:
+    """The same model on the token file HF_CAUSAL_LM_TOKENS (byte ids, uint16), windows of
+    SEQUENCE tokens; the last 1% of the windows (at most 512) are held out for evaluation."""
+    from ddptrain.data import TokenFile
+
+    task = gpt2_task(cfg)
+    windows = TokenFile(os.environ["HF_CAUSAL_LM_TOKENS"], seq_len=SEQUENCE)
+    held_out = min(512, max(1, len(windows) // 100))
+    task.train_set = torch.utils.data.Subset(windows, range(len(windows) - held_out))
+    task.eval_set = torch.utils.data.Subset(windows, range(len(windows) - held_out, len(windows)))
+    task.collate_fn, task.step_fn, task.eval_fn = None, next_token_step, evaluate_next_token
+    return task
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="a small GPT-2 trained with ddptrain.fit")
     parser.add_argument("--max_epochs", type=int, default=3)
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--run_dir", default=None)
+    parser.add_argument("--tokens", default=None, help="a token file (examples/write_tokens.py) to train on")
+    parser.add_argument("--max_steps", type=int, default=None)
     args = parser.parse_args()
-    summary = ddptrain.fit(gpt2_task, max_epochs=args.max_epochs, batch_size=args.batch_size, run_dir=args.run_dir)
+    if args.tokens:
+        os.environ["HF_CAUSAL_LM_TOKENS"] = os.path.abspath(args.tokens)  # the ranks read it
+    summary = ddptrain.fit(gpt2_tokens_task if args.tokens else gpt2_task, max_steps=args.max_steps,
+                           max_epochs=None if args.max_steps else args.max_epochs, batch_size=args.batch_size,
+                           run_dir=args.run_dir)
     if summary:
-        print(f"eval loss {summary['eval_loss']:.3f}, perplexity {summary['eval_perplexity']:.1f}")
+        perplexity = f", perplexity {summary['eval_perplexity']:.1f}" if "eval_perplexity" in summary else ""
+        print(f"eval loss {summary['eval_loss']:.3f}{perplexity}")

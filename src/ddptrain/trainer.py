@@ -201,10 +201,13 @@ class Trainer:
                 exhausted = True
                 break
             stepping = time.perf_counter()
-            loss = self._run_batch(group)
+            loss, step_samples = self._run_batch(group)
+            if step_samples == 0:  # a stream's steps agreed it was over: no rank had a sample
+                exhausted = True
+                break
             self.timings.add_step(stepping - fetching, time.perf_counter() - stepping)
-            samples += group[0][1].step_samples
-            self.progress.epoch_samples += group[0][1].step_samples
+            samples += step_samples
+            self.progress.epoch_samples += step_samples
             self.progress.step_in_epoch += 1
             self.progress.global_step += 1
             if loss is None:  # skipped: not finite (--skip-nonfinite)
@@ -250,15 +253,18 @@ class Trainer:
         every = self.cfg.eval_every_steps
         return self.task.eval_set is not None and every > 0 and self.progress.global_step % every == 0
 
-    def _run_batch(self, group: list[tuple[Any, MicroBatch]]) -> torch.Tensor | None:
+    def _run_batch(self, group: list[tuple[Any, MicroBatch]]) -> tuple[torch.Tensor | None, int]:
         """One optimizer step over ``group`` (``--grad-accum`` micro-batches). Returns this
         rank's part of the step's mean loss (the ranks' parts add up to it), or None when the
-        step was skipped as not finite.
+        step was skipped as not finite; and the step's samples over every rank (0: a stream's
+        step that no rank had a sample for, so nothing was stepped).
 
         Each micro-batch's mean loss is weighted by its share of the step's samples
         (``MicroBatch.weight``), so the gradient is the mean over the samples really in the
-        step, however short the epoch's last step is. A loss returned as ``(sum, count)`` is
-        divided by the step's count over every rank instead (``_divide_by_count``)."""
+        step, however short the epoch's last step is. (A stream's micro-batches are weighted
+        as parts of a full step, and a short step's gradients scaled once its count is known.)
+        A loss returned as ``(sum, count)`` is divided by the step's count over every rank
+        instead (``_divide_by_count``)."""
         self.optimizer.zero_grad(set_to_none=True)
         self._share_buffers(self.progress.global_step + 1)
         total, count = None, None
@@ -283,10 +289,18 @@ class Trainer:
                 self.scaler.scale(loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None, "a step has at least one micro-batch"
+        planned = group[0][1].step_samples
+        agreed = self.batches.agreed_samples()  # a stream's count, known only now (None: ``planned`` is it)
+        step_samples = planned if agreed is None else agreed
+        if step_samples == 0:
+            return None, 0
+        if count is None and step_samples != planned:  # a stream's short step
+            self._scale_gradients(planned / step_samples)
+            total = total * (planned / step_samples)
         total = total / self.ctx.world_size if count is None else self._divide_by_count(total, count)
         if self.guard.skipping and not self.guard.step_is_finite(total, self._gradients()):
             self._step_scheduler()  # the schedule counts steps, taken or skipped
-            return None
+            return None, step_samples
         if self.first_step_unchecked:  # DDP names the parameters that got no gradient
             self.strategy.check_gradients(self.module)
             self.first_step_unchecked = False
@@ -296,7 +310,7 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self._step_scheduler()
-        return total
+        return total, step_samples
 
     def _divide_by_count(self, local_sum: torch.Tensor, local_count: Any) -> torch.Tensor:
         """``step_fn`` returned ``(sum, count)``: scale the gradients (averaged over the ranks by
@@ -307,11 +321,13 @@ class Trainer:
             with self.watchdog.waiting(COUNT_SYNC, self.progress.global_step + 1):
                 dist.all_reduce(count)
         count = count.clamp(min=1)
-        factor = self.ctx.world_size / count.item()  # a number: FSDP's gradients are DTensors
+        self._scale_gradients(self.ctx.world_size / count.item())  # a number: FSDP's gradients are DTensors
+        return local_sum / count
+
+    def _scale_gradients(self, factor: float) -> None:
         for param in self.params:
             if param.grad is not None:
                 param.grad.mul_(factor)
-        return local_sum / count
 
     def _share_buffers(self, step: int) -> None:
         """Every rank takes rank 0's buffers (BatchNorm's running statistics): before each step,

@@ -538,3 +538,26 @@ def token_file_lm(cfg) -> Task:
     torch.manual_seed(cfg.seed)
     return Task(model=TinyLM(), train_set=TokenFile(os.environ["TOKEN_FILE"], seq_len=64),
                 loss_fn=_next_token_loss, defaults={"lr": 0.1, "optimizer": "sgd"})
+
+
+def jsonl_stream(cfg) -> Task:
+    """examples/stream_jsonl.py's task: JSONL shards read by their own readers (set_shard), with state."""
+    from stream_jsonl import stream_task
+
+    return stream_task(cfg)
+
+
+killable_jsonl_stream = killable(jsonl_stream)
+
+
+def write_jsonl_shards(folder: Path) -> None:
+    from stream_jsonl import write_shards
+
+    write_shards(folder)
+
+
+def stream_as_map(cfg) -> Task:
+    """The same samples as ``stream`` in a map-style set read through a DataLoader (benchmarks)."""
+    data = NumberStream(int(os.environ.get("STREAM_SAMPLES", "250")), cfg.seed)
+    samples = PlainDataset(TensorDataset(data.inputs, data.targets, torch.arange(len(data.inputs))))
+    return _stream_task(cfg, samples)

@@ -6,8 +6,10 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from ddptrain import ConfigError, TrainingFailed
+from ddptrain.tasks.regression import regression_data
 from helpers.commands import assert_ok, assert_same_weights, clean_env, ddptrain_cli, fit, load_model, read_metrics
 
 TASKS = "ddptrain_test_tasks:"
@@ -103,6 +105,20 @@ def test_uneven_shares_end_the_epoch_on_every_rank_at_the_same_step(tmp_path):
     summary = fit(TASKS + "uneven_stream", tmp_path, batch_size=10, max_epochs=2, timeout=60)
     assert [(r["step"], r["samples"]) for r in _epochs(tmp_path)] == [(13, 230), (26, 230)]
     assert summary["steps"] == 26
+    # Each step is the mean over the samples in it, the short ones (rank 1's alone) too: the
+    # same steps by hand, in one process, give the same weights.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(20, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    inputs, targets = regression_data(0, 230).tensors
+    steps = [[*range(10 * t, 10 * t + 10), *range(100 + 10 * t, 110 + 10 * t)] for t in range(10)]
+    steps += [list(range(200 + 10 * t, 210 + 10 * t)) for t in range(3)]
+    for _ in range(2):
+        for samples in steps:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs[samples]), targets[samples]).backward()
+            optimizer.step()
+    assert_same_weights(load_model(tmp_path), model.state_dict())
 
 
 @pytest.mark.slow
@@ -111,6 +127,25 @@ def test_a_stream_resumed_inside_an_epoch_on_another_world_size_is_one_line(whol
     with pytest.raises(ConfigError, match=r"^the snapshot stopped inside an epoch of an iterable training set "
                                           r"read by 2 rank\(s\) x --workers 2; this run has 1 x 2"):
         fit(TASKS + "stream", tmp_path, nproc=1, **{**STREAM, "max_steps": 40})
+
+
+@pytest.mark.slow
+def test_the_jsonl_example_reads_its_own_files_and_resumes_bitwise(tmp_path):
+    """examples/stream_jsonl.py: 8 shards of 500 lines, 4 readers each reading 2 files
+    (``set_shard``), the position a (file, byte offset) state; killed at step 83 of 100 (in
+    epoch 0, past several snapshots) and run again: bitwise the uninterrupted run."""
+    from ddptrain_test_tasks import write_jsonl_shards
+
+    write_jsonl_shards(tmp_path / "shards")
+    env = {"STREAM_JSONL_SHARDS": str(tmp_path / "shards"), "KILL_RANK": "1", "KILL_STEP": "83",
+           "KILL_MARKER": str(tmp_path / "killed")}
+    args = {"max_steps": 100, "workers": 2, "batch_size": 16, "save_every": 25}
+    fit(TASKS + "jsonl_stream", tmp_path / "whole", env={"STREAM_JSONL_SHARDS": env["STREAM_JSONL_SHARDS"]}, **args)
+    with pytest.raises(TrainingFailed):
+        fit(TASKS + "killable_jsonl_stream", tmp_path / "resumed", env=env, **args)
+    fit(TASKS + "killable_jsonl_stream", tmp_path / "resumed", env=env, **args)
+    assert_same_weights(load_model(tmp_path / "resumed"), load_model(tmp_path / "whole"), exact=True)
+    assert _epochs(tmp_path / "whole")[-1]["samples"] == 100 * 32  # inside epoch 0 of 4000 samples
 
 
 # --- token files -------------------------------------------------------------------------------

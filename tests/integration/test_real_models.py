@@ -88,3 +88,20 @@ def test_a_token_averaged_loss_with_padding_is_exact_on_any_number_of_ranks(tmp_
     assert max((one_mean[k] - two_mean[k]).abs().max().item() for k in one_mean) > 1e-3
     records = read_metrics(tmp_path / "two")
     assert records[-1]["samples"] == 48 and records[-1]["eval_samples"] > 48  # eval divides by tokens
+
+
+@pytest.mark.slow
+def test_gpt2_on_a_token_file_written_by_the_example_script(tmp_path):
+    """examples/write_tokens.py writes a byte-level token file; examples/hf_causal_lm.py
+    --tokens trains GPT-2 on it by steps, as a user runs them."""
+    from helpers.commands import BIN, REPO, assert_ok, run
+
+    written = run([str(BIN / "python"), str(REPO / "examples" / "write_tokens.py"), "--out", str(tmp_path / "t.bin"),
+                   "--repeat", "3"])
+    assert_ok(written)
+    assert written.stdout.startswith(f"{tmp_path / 't.bin'}: ") and (tmp_path / "t.bin").stat().st_size > 500_000
+    trained = run([str(BIN / "python"), str(REPO / "examples" / "hf_causal_lm.py"), "--tokens", str(tmp_path / "t.bin"),
+                   "--max_steps", "12", "--batch_size", "8", "--run_dir", str(tmp_path / "run")], timeout=300)
+    assert_ok(trained)
+    records = read_metrics(tmp_path / "run")
+    assert records[-1]["step"] == 12 and records[-1]["partial"] and records[-1]["eval_loss"] < 5.5  # ln 256 = 5.55

@@ -128,6 +128,10 @@ class TrainBatches(_Batches):
     def micro_batch_count(self) -> int:
         return (self.sampler.steps - self.start_step) * self.sampler.grad_accum
 
+    def agreed_samples(self) -> None:
+        """(A stream's steps are counted after the fact; here each MicroBatch knows its step's.)"""
+        return None
+
     def steps(self) -> Iterator[list[tuple[Any, MicroBatch]]]:
         """The epoch's remaining optimizer steps, ``grad_accum`` micro-batches each."""
         if self.fast_path:

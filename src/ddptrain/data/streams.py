@@ -141,7 +141,10 @@ class StreamBatches:
                                              generator=self.generator)
         self.saved: dict[str, Any] | None = None  # a snapshot's loader state, for the epoch it was taken in
         self.stand_in: Any = None  # a batch to run with weight 0 when this rank's share has run out
+        self.stand_ins_shared = False  # every rank holds a stand-in: agreements can overlap the steps
         self.read_any = False  # whether this rank's share ever gave a batch (its iterator works)
+        self.full_step = world_size * grad_accum * batch_size  # what each micro-batch is weighted as a part of
+        self.message, self.pending, self.total = torch.zeros(1, dtype=torch.float64), None, -1
 
     # --- state (a list by rank in a snapshot) -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -173,18 +176,39 @@ class StreamBatches:
         return by_rank[self.rank]["loader"]
 
     def steps(self) -> Iterator[list[tuple[Any, MicroBatch]]]:
-        """The epoch's remaining optimizer steps, ending on every rank at the same step."""
+        """The epoch's remaining optimizer steps, ending on every rank at the same step. Each
+        step's micro-batches are weighted as parts of a full step (``full_step`` samples); the
+        Trainer calls ``agreed_samples`` after the backward for the step's real count (0: the
+        epoch was over, nothing to step) and rescales a short step's gradients."""
         batches = iter(self.loader)
         while True:
             mine = self._fetch(batches)
             counts = [samples_in(batch) for batch in mine]
-            total = self._agree(sum(counts), mine)
-            if total == 0:
+            if self.stand_ins_shared:
+                self._start_agreement(sum(counts))  # read after the step's backward: overlapped
+            elif self._agree(sum(counts), mine) == 0:  # at once: a rank may need a stand-in first
                 return
             group = [(to_device(batch, self.device, self.device.type == "cuda"),
-                      MicroBatch(None, count, total, self.world_size)) for batch, count in zip(mine, counts)]
-            group += [(self.stand_in, MicroBatch(None, 0, total, self.world_size))] * (self.grad_accum - len(mine))
-            yield group
+                      MicroBatch(None, count, self.full_step, self.world_size)) for batch, count in zip(mine, counts)]
+            stand_in = (self.stand_in, MicroBatch(None, 0, self.full_step, self.world_size))
+            yield group + [stand_in] * (self.grad_accum - len(mine))
+            if self.total == 0:
+                return
+
+    def agreed_samples(self) -> int:
+        """The samples in the step just taken, over every rank (0: no rank had any)."""
+        if self.pending is not None:
+            with self.marks.waiting(AGREEING):
+                self.pending.wait()
+            self.total, self.pending = int(self.message[0]), None
+        return self.total
+
+    def _start_agreement(self, count: int) -> None:
+        self.message = torch.tensor([float(count)], dtype=torch.float64)
+        if self.world_size == 1:
+            self.total = count
+            return
+        self.pending = dist.all_reduce(self.message, group=self.group, async_op=True)
 
     def _fetch(self, batches: Iterator[Any]) -> list[Any]:
         """Up to ``grad_accum`` batches of this rank's share (fewer, or none, where it ends). An
@@ -206,20 +230,24 @@ class StreamBatches:
         return mine
 
     def _agree(self, count: int, mine: list[Any]) -> int:
-        """The step's samples over every rank (0: the epoch is over). A rank that must take the
-        step with a stand-in but never had a batch gets one from the lowest rank that has one."""
+        """At once: the step's samples over every rank (0: the epoch is over), and a stand-in for
+        every rank that has no batch of its own yet, from the lowest rank that has one. Done
+        until one step has samples: from then on every rank holds a stand-in."""
         needs = self.stand_in is None and len(mine) < self.grad_accum
         if self.world_size == 1:
-            return count
-        message = torch.zeros(2 + self.world_size, dtype=torch.float64)
-        message[0], message[1], message[2 + self.rank] = count, float(needs), float(bool(mine))
-        with self.marks.waiting(AGREEING):
-            dist.all_reduce(message, group=self.group)
-        total, needed, holders = int(message[0]), message[1] > 0, message[2:].nonzero()
-        if total and needed:
-            source = int(holders[0])
-            with self.marks.waiting("sharing a stand-in batch (a rank's stream share ran out)"):
-                received = broadcast_object(mine[0] if self.rank == source else None, src=source, group=self.group)
-            if self.stand_in is None:
-                self.stand_in = to_device(received, self.device)
-        return total
+            self.total = count
+        else:
+            message = torch.zeros(2 + self.world_size, dtype=torch.float64)
+            message[0], message[1], message[2 + self.rank] = count, float(needs), float(bool(mine))
+            with self.marks.waiting(AGREEING):
+                dist.all_reduce(message, group=self.group)
+            self.total, needed, holders = int(message[0]), message[1] > 0, message[2:].nonzero()
+            if self.total and needed:
+                source = int(holders[0])
+                with self.marks.waiting("sharing a stand-in batch (a rank's stream share ran out)"):
+                    received = broadcast_object(mine[0] if self.rank == source else None, src=source,
+                                                group=self.group)
+                if self.stand_in is None:
+                    self.stand_in = to_device(received, self.device)
+        self.stand_ins_shared = self.total > 0
+        return self.total
