@@ -438,7 +438,7 @@ class NumberStream(torch.utils.data.IterableDataset):
         for position in range(start, len(order)):
             self.position = position + 1
             k = int(order[position])
-            yield self.inputs[k], self.targets[k], k
+            yield self.inputs[k], self.targets[k], self.epoch * 1_000_000 + k  # which epoch read it, which sample
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
@@ -461,7 +461,7 @@ class StatelessNumberStream(torch.utils.data.IterableDataset):
 
 
 def _recorded_collate(samples):
-    """Collate, and note which samples this batch holds (RECORD_DIR/ids-<pid>.txt: "epoch id")."""
+    """Collate, and note which samples this batch holds (RECORD_DIR/ids-<pid>.txt: epoch x 10^6 + id)."""
     inputs, targets, ids = torch.utils.data.default_collate(samples)
     if "RECORD_DIR" in os.environ:
         with open(Path(os.environ["RECORD_DIR"]) / f"ids-{os.getpid()}.txt", "a") as handle:

@@ -3,6 +3,7 @@ token files larger than memory. Real ranks, real DataLoader workers, real SIGKIL
 
 import collections
 import random
+import re
 
 import numpy as np
 import pytest
@@ -26,6 +27,8 @@ def test_max_steps_trains_exactly_that_many_steps_across_epochs_and_resumes_bitw
     record says so; evaluations every 20 steps too; killed at step 41 and run again, the weights
     are bitwise the uninterrupted run's; a later --max-steps 60 continues the finished run
     bitwise as if it had never stopped, its partial record replaced."""
+    fit("regression", tmp_path / "tutorial", max_steps=50)  # 32 steps per epoch: exactly 50 steps
+    assert [(r["step"], r.get("partial", False)) for r in _epochs(tmp_path / "tutorial")] == [(32, False), (50, True)]
     args = {"max_steps": 50, "save_every": 10, "eval_every_steps": 20}
     fit("digits", tmp_path / "whole", **args)
     records = read_metrics(tmp_path / "whole")
@@ -65,14 +68,15 @@ def whole_stream(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_stream_trains_every_sample_once_per_epoch_across_ranks_and_workers(whole_stream):
-    ids = collections.Counter(int(line) for path in (whole_stream / "ids").iterdir()
-                              for line in path.read_text().split())
+    read = [int(line) for path in (whole_stream / "ids").iterdir() for line in path.read_text().split()]
     epochs = _epochs(whole_stream / "run")
     assert [(r["step"], r["samples"], r.get("partial", False)) for r in epochs] == [
         (16, 250, False), (32, 250, False), (48, 250, False), (60, 12 * 16, True)]
-    # three whole epochs: each sample 3 times; the fourth epoch's 12 steps read ahead a little
-    assert set(ids) == set(range(250)) and min(ids.values()) >= 3
-    assert sum(ids.values()) - 3 * 250 >= 12 * 16
+    for epoch in range(3):  # each whole epoch: every sample exactly once, over both ranks' 4 readers
+        counts = collections.Counter(i % 1_000_000 for i in read if i // 1_000_000 == epoch)
+        assert sorted(counts) == list(range(250)) and set(counts.values()) == {1}, epoch
+    # the fourth epoch, ended by --max-steps: its 12 steps' 192 samples, and what the workers read ahead
+    assert 192 <= sum(1 for i in read if i // 1_000_000 == 3) <= 250
 
 
 @pytest.mark.slow
@@ -94,15 +98,17 @@ def test_a_stream_without_state_resumes_by_reading_again_and_says_so(whole_strea
     fit(TASKS + "killable_stateless_stream", tmp_path / "run", env=env, **STREAM)
     assert_same_weights(load_model(tmp_path / "run"), load_model(whole_stream / "run"), exact=True)
     said = [line for line in capfd.readouterr().out.splitlines() if "no state_dict()" in line]
-    assert said == ["the training stream has no state_dict(): reading epoch 1 again up to step 9 (slower, "
-                    "still exact; docs/data.md)"]
+    assert len(said) == 1, said  # (the snapshot of step 25 or, if the kill beat its write, of step 20)
+    assert re.fullmatch(r"the training stream has no state_dict\(\): reading epoch 1 again up to step (9|4) "
+                        r"\(slower, still exact; docs/data.md\)", said[0]), said
 
 
 @pytest.mark.slow
-def test_uneven_shares_end_the_epoch_on_every_rank_at_the_same_step(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_uneven_shares_end_the_epoch_on_every_rank_at_the_same_step(tmp_path, strategy):
     """Shares of 100 and 130 samples, batch 10: rank 0 runs out after 10 steps and takes 3
     more with stand-ins; both end each epoch at step 13, every sample trained."""
-    summary = fit(TASKS + "uneven_stream", tmp_path, batch_size=10, max_epochs=2, timeout=60)
+    summary = fit(TASKS + "uneven_stream", tmp_path, batch_size=10, max_epochs=2, timeout=60, strategy=strategy)
     assert [(r["step"], r["samples"]) for r in _epochs(tmp_path)] == [(13, 230), (26, 230)]
     assert summary["steps"] == 26
     # Each step is the mean over the samples in it, the short ones (rank 1's alone) too: the
