@@ -23,7 +23,10 @@ from torch.utils.data import IterableDataset
 
 import ddptrain
 
-SHARDS = Path(os.environ.get("STREAM_JSONL_SHARDS", Path(__file__).resolve().parent / "data" / "jsonl-shards"))
+
+def shards_folder() -> Path:
+    """Where the shards are: STREAM_JSONL_SHARDS, else examples/data/jsonl-shards."""
+    return Path(os.environ.get("STREAM_JSONL_SHARDS", Path(__file__).resolve().parent / "data" / "jsonl-shards"))
 
 
 def write_shards(folder: Path, shards: int = 8, lines_per_shard: int = 500, seed: int = 0) -> None:
@@ -47,6 +50,8 @@ class JsonlShards(IterableDataset):
 
     def __init__(self, folder: Path, seed: int = 0) -> None:
         self.files = sorted(folder.glob("shard-*.jsonl"))
+        if not self.files:
+            raise FileNotFoundError(f"no shard-*.jsonl in {folder}; python examples/stream_jsonl.py writes them")
         self.mine, self.seed = self.files, seed
         self.epoch, self.file, self.offset, self.resumed = 0, 0, 0, False
 
@@ -80,7 +85,7 @@ class JsonlShards(IterableDataset):
 
 
 def stream_task(cfg: ddptrain.RunConfig) -> ddptrain.Task:
-    return ddptrain.Task(model=torch.nn.Linear(20, 1), train_set=JsonlShards(SHARDS, cfg.seed),
+    return ddptrain.Task(model=torch.nn.Linear(20, 1), train_set=JsonlShards(shards_folder(), cfg.seed),
                          loss_fn=torch.nn.functional.mse_loss, defaults={"lr": 0.05})
 
 
@@ -90,7 +95,7 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--run_dir", default="runs/stream_jsonl")
     args = parser.parse_args()
-    write_shards(SHARDS)
+    write_shards(shards_folder())
     summary = ddptrain.fit(stream_task, max_steps=args.max_steps, workers=args.workers, batch_size=16,
                            run_dir=args.run_dir, save_every=50)
     if summary:

@@ -68,6 +68,13 @@ def build_parser() -> OneLineParser:
     commands.add_parser("env", help="what torch, CUDA and the launcher look like from here")
     report = commands.add_parser("report", help="summary table and curves.png of a finished run")
     report.add_argument("run_dir", help="a run directory holding metrics.jsonl")
+    export = commands.add_parser("export", help="a run's weights as safetensors, a Hugging Face folder, "
+                                 "or a plain torch state_dict")
+    export.add_argument("run_dir", help="a run directory (its model.pt, or --snapshot N)")
+    export.add_argument("--format", choices=("safetensors", "hf", "torch"), default="safetensors")
+    export.add_argument("--snapshot", type=int, default=None, metavar="N",
+                        help="the snapshot of global step N instead of model.pt (an FSDP run's DCP folder too)")
+    export.add_argument("--out", required=True, help="the file (safetensors, torch) or folder (hf) to write")
     commands.add_parser("bench", help="benchmark ddptrain against hand-written DDP loops and peers "
                         "(see ddptrain bench --help)")
     return parser
@@ -105,6 +112,17 @@ def report(args: argparse.Namespace) -> int:
     print(format_summary(summary) if summary else f"{run_dir}: no epoch finished yet")
     note = plot_curves(run_dir)
     print(note or f"curves: {run_dir / 'curves.png'}")
+    if (run_dir / "model.pt").is_file():
+        from .export import export_command_hint
+
+        print(export_command_hint(run_dir))
+    return 0
+
+
+def export_command(args: argparse.Namespace) -> int:
+    from .export import export
+
+    print(export(Path(args.run_dir), args.format, Path(args.out), args.snapshot))
     return 0
 
 
@@ -115,7 +133,7 @@ def env_command(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": train, "env": env_command, "report": report}
+COMMANDS = {"train": train, "env": env_command, "report": report, "export": export_command}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -53,7 +53,7 @@ MATH_FIELDS = ("task", "seed", "lr", "optimizer", "momentum", "weight_decay", "l
 # so the same command (or the same command with more epochs) finds its run again.
 NOT_IDENTITY = ("run_dir", "resume", "max_epochs", "max_steps", "progress", "tensorboard", "plot", "log_ranks",
                 "timeout", "max_restarts", "keep", "save_every", "save_seconds", "eval_every",
-                "eval_every_steps", "workers")
+                "eval_every_steps", "workers", "peak_tflops", "profile")
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,10 @@ class RunConfig:
     progress: bool | None = _opt("progress bar on rank 0 (default: when stderr is a terminal)",
                                  default=None)
     tensorboard: bool = _opt("write TensorBoard event files into the run dir", default=False)
+    peak_tflops: float | None = _opt("one device's peak TFLOP/s, for MFU (default: a table of GPUs' dense "
+                                     "bf16 peaks; none on CPU)", default=None)
+    profile: int = _opt("record steps 2..N+1 with torch.profiler: RUN_DIR/profile/rank-R.json (Chrome / "
+                        "Perfetto traces); 0: off", default=0)
     plot: bool = _opt("draw RUN_DIR/curves.png at the end (matplotlib; 0.5-1 s, so off by default: "
                       "`ddptrain report RUN_DIR` draws it any time)", default=False)
 
@@ -316,6 +320,9 @@ def validate(cfg: RunConfig) -> None:
         (cfg.max_epochs is None or cfg.max_epochs >= 0, f"--max-epochs must be 0 or more, got {cfg.max_epochs}"),
         (cfg.max_steps is None or cfg.max_steps >= 1,
          f"--max-steps must be at least 1 (leave it out to train by epochs), got {cfg.max_steps}"),
+        (cfg.profile >= 0, f"--profile must be >= 0 (0: off), got {cfg.profile}"),
+        (cfg.peak_tflops is None or (math.isfinite(cfg.peak_tflops) and cfg.peak_tflops > 0),
+         f"--peak-tflops must be a finite number > 0, got {cfg.peak_tflops}"),
         (cfg.eval_every_steps >= 0, f"--eval-every-steps must be >= 0 (0: off), got {cfg.eval_every_steps}"),
         (finite(cfg.lr) and (cfg.lr is None or cfg.lr >= 0), f"--lr must be a finite number >= 0, got {cfg.lr}"),
         (math.isfinite(cfg.timeout) and cfg.timeout > 0,

@@ -35,6 +35,7 @@ from .observe.metrics import (
     timing_record,
 )
 from .observe.report import NullReporter, Reporter
+from .observe.throughput import FlopCount, StepProfiler, device_peak_tflops, throughput_record
 from .optim import ScalerState, SchedulerState, build_optimizer, build_scheduler
 from .parallel import make_strategy
 from .parallel.base import ModelAndOptimizer, convert_sync_batchnorm, kept_buffers
@@ -128,6 +129,9 @@ class Trainer:
         self.stop_signal = StopSignal(self.cpu_group, self.checkpointer.due_by_time if ctx.is_main else None,
                                       self.watchdog)
         self.timings = RankTimings(params)
+        self.flops = FlopCount()  # this rank's FLOPs per step, counted on the first step
+        self.peak_tflops = cfg.peak_tflops or device_peak_tflops(self.device)
+        self.profiler = StepProfiler(cfg.profile, self.run_dir, ctx.rank, self.device)
         if self.strategy.forward_syncs:  # the forward's own collective ends where the inner forward begins
             self.module.register_forward_pre_hook(lambda *_: self.watchdog.depart())
         self.first_step_at: float | None = None  # wall clock of the first step (start-up benchmarks)
@@ -140,12 +144,15 @@ class Trainer:
         """Train to ``max_epochs`` or ``max_steps``: ``"finished"``, ``"preempted"`` after a stop
         signal, or ``"already_finished"`` when the run dir holds a run that ended there."""
         self.stop_signal.listen()
+        self.profiler.start()
         try:
             outcome = self._fit()
         except BaseException:
             self.stop_signal.close(wait=False)  # a peer may never answer: leave at once
             self.checkpointer.close(wait=False)
             raise
+        finally:
+            self.profiler.close()
         self.stop_signal.close()
         self.checkpointer.close()
         return outcome
@@ -191,7 +198,7 @@ class Trainer:
         if self.cfg.log_ranks:  # the tutorial's per-rank line (Steps: optimizer steps)
             say(f"{self.ctx.tag} Epoch:{epoch}|Batchsize:{self.cfg.batch_size}|Steps:{self.steps_per_epoch or '?'}")
         self.reporter.epoch_started(epoch, self.steps_per_epoch, self.progress.step_in_epoch)
-        started, samples = time.perf_counter(), 0
+        started, samples, steps_run = time.perf_counter(), 0, 0
         steps = self.batches.steps()
         save = stop = ended = exhausted = False
         while not ended:
@@ -206,7 +213,9 @@ class Trainer:
                 exhausted = True
                 break
             self.timings.add_step(stepping - fetching, time.perf_counter() - stepping)
+            self.profiler.step_done()
             samples += step_samples
+            steps_run += 1
             self.progress.epoch_samples += step_samples
             self.progress.step_in_epoch += 1
             self.progress.global_step += 1
@@ -230,12 +239,15 @@ class Trainer:
                 self.reporter.log({"kind": "eval", "epoch": epoch, "step": self.progress.global_step,
                                    **self._evaluation()})
         self.reporter.epoch_finished()
+        if exhausted and self.progress.step_in_epoch == 0:  # (a map-style set is never empty: checked)
+            raise ConfigError(f"the training stream gave no sample in epoch {epoch}, on any rank; check its "
+                              "source (an empty folder or file list?)")
         if exhausted or not self._epoch_goes_on():
-            self._end_epoch(epoch, time.perf_counter() - started, samples)
+            self._end_epoch(epoch, time.perf_counter() - started, samples, steps_run)
             if save and not stop:
                 self._save()
         elif ended:
-            self._end_epoch(epoch, time.perf_counter() - started, samples, partial=True)
+            self._end_epoch(epoch, time.perf_counter() - started, samples, steps_run, partial=True)
         return "preempted" if stop else "done"
 
     def _steps_reached(self) -> bool:
@@ -267,28 +279,8 @@ class Trainer:
         instead (``_divide_by_count``)."""
         self.optimizer.zero_grad(set_to_none=True)
         self._share_buffers(self.progress.global_step + 1)
-        total, count = None, None
-        for i, (batch, micro) in enumerate(group):
-            last = i == len(group) - 1
-            sync = contextlib.nullcontext() if last else self.strategy.no_sync(self.model)  # one sync per step
-            kept = contextlib.nullcontext() if micro.samples else kept_buffers(self.module)  # a stand-in
-            with sync, kept, self.strategy.autocast():
-                if self.strategy.forward_syncs:
-                    self.watchdog.arrive(FORWARD_SYNC, self.progress.global_step + 1)
-                loss, units = self._loss(batch)
-                if units is None:  # a mean over the micro-batch's samples
-                    loss = loss if micro.weight == 1.0 else loss * micro.weight
-                else:  # a sum over `units` (tokens, say): divided once the step's count is known
-                    loss, units = (loss, units) if micro.samples else (loss * 0.0, 0)
-                    count = units if count is None else count + units
-            if last:  # the gradient all-reduce happens in this backward
-                with self.watchdog.waiting(GRADIENT_SYNC, self.progress.global_step + 1, timed=False):
-                    self.scaler.scale(loss).backward()
-                    self.timings.backward_done()
-            else:
-                self.scaler.scale(loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        assert total is not None, "a step has at least one micro-batch"
+        with self.flops.first_step():  # FlopCounterMode around the first step's work, once
+            total, count = self._forward_backward(group)
         planned = group[0][1].step_samples
         agreed = self.batches.agreed_samples()  # a stream's count, known only now (None: ``planned`` is it)
         step_samples = planned if agreed is None else agreed
@@ -311,6 +303,34 @@ class Trainer:
         self.scaler.update()
         self._step_scheduler()
         return total, step_samples
+
+    def _forward_backward(self, group: list[tuple[Any, MicroBatch]]) -> tuple[torch.Tensor, Any]:
+        """Every micro-batch's forward and backward, gradients synchronised in the last backward
+        only. Returns this rank's weighted loss over the step, and the count the loss sums are
+        over when step_fn returned ``(sum, count)`` (else None)."""
+        total, count = None, None
+        for i, (batch, micro) in enumerate(group):
+            last = i == len(group) - 1
+            sync = contextlib.nullcontext() if last else self.strategy.no_sync(self.model)  # one sync per step
+            kept = contextlib.nullcontext() if micro.samples else kept_buffers(self.module)  # a stand-in
+            with sync, kept, self.strategy.autocast():
+                if self.strategy.forward_syncs:
+                    self.watchdog.arrive(FORWARD_SYNC, self.progress.global_step + 1)
+                loss, units = self._loss(batch)
+                if units is None:  # a mean over the micro-batch's samples
+                    loss = loss if micro.weight == 1.0 else loss * micro.weight
+                else:  # a sum over `units` (tokens, say): divided once the step's count is known
+                    loss, units = (loss, units) if micro.samples else (loss * 0.0, 0)
+                    count = units if count is None else count + units
+            if last:  # the gradient all-reduce happens in this backward
+                with self.watchdog.waiting(GRADIENT_SYNC, self.progress.global_step + 1, timed=False):
+                    self.scaler.scale(loss).backward()
+                    self.timings.backward_done()
+            else:
+                self.scaler.scale(loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None, "a step has at least one micro-batch"
+        return total, count
 
     def _divide_by_count(self, local_sum: torch.Tensor, local_count: Any) -> torch.Tensor:
         """``step_fn`` returned ``(sum, count)``: scale the gradients (averaged over the ranks by
@@ -368,21 +388,24 @@ class Trainer:
             self.scheduler.step()
 
     # --- epoch ends, evaluation, the end -------------------------------------------------------
-    def _end_epoch(self, epoch: int, seconds: float, samples: int, partial: bool = False) -> None:
+    def _end_epoch(self, epoch: int, seconds: float, samples: int, steps: int, partial: bool = False) -> None:
         """The epoch's record (``samples``: trained in the epoch over every rank, every sample
-        once; the rate: this process's, ``samples`` of them in ``seconds``). ``partial``: the
-        run ends inside the epoch (--max-steps), which stays where it is."""
+        once; the rates: this process's, ``samples`` of them and ``steps`` steps in
+        ``seconds``). ``partial``: the run ends inside the epoch (--max-steps), which stays where it is."""
         reduced = self._reduce(with_figures=True)
         loss_steps = int(reduced["loss_steps"])
-        per_rank = reduced["figures"].tolist()  # each rank's row: 3 timings, then 2 memory figures
+        per_rank = reduced["figures"].tolist()  # each rank's row: 3 timings, 2 memory figures, FLOPs per step
+        job_flops = sum(row[5] for row in per_rank)
         record: dict[str, Any] = {
             "kind": "epoch", "epoch": epoch, "step": self.progress.global_step,
             "train_loss": float(reduced["loss_total"]) / loss_steps if loss_steps else float("nan"),
             "lr": self.optimizer.param_groups[0]["lr"],
             "samples_per_s": round(samples / seconds, 1) if seconds > 0 else None,
             "epoch_time_s": round(seconds, 3), "samples": self._epoch_samples(partial), "time": round(time.time(), 3),
+            **throughput_record(samples, seconds, steps, job_flops, self.task.tokens_per_sample, self.peak_tflops,
+                                self.ctx.world_size),
             **timing_record([row[:3] for row in per_rank]),
-            "memory_mb": memory_record([row[3:] for row in per_rank]),
+            "memory_mb": memory_record([row[3:5] for row in per_rank]),
         }
         if partial:
             record["partial"] = True
@@ -408,15 +431,15 @@ class Trainer:
 
     def _reduce(self, with_figures: bool = False) -> dict[str, torch.Tensor]:
         """One all-reduce: the epoch's loss sums, whether every rank's losses and weights are
-        finite, and (at epoch ends) every rank's timings and memory, a row per rank. Raises
+        finite, and (at epoch ends) every rank's timings, memory and FLOPs per step, a row per rank. Raises
         NonFiniteError, before anything is saved or evaluated, when a loss or a weight is not finite."""
         world, rank, device = self.ctx.world_size, self.ctx.rank, self.device
         first_bad_step = torch.zeros(world, dtype=torch.float64, device=device)
-        figures = torch.zeros(world, 5, dtype=torch.float64, device=device)
+        figures = torch.zeros(world, 6, dtype=torch.float64, device=device)
         first_bad_step[rank] = self.losses.first_nonfinite_step()
         if with_figures:
             figures[rank] = torch.tensor([*self.timings.take(self.watchdog.take_waited()), peak_rss_mb(),
-                                          model_state_mb(self.params, self.optimizer)])
+                                          model_state_mb(self.params, self.optimizer), self.flops.per_step or 0])
         reduced = sum_over_ranks({
             "loss_total": self.losses.local_sum(),
             # the ranks' parts add up to a step's loss: rank 0 alone counts the steps

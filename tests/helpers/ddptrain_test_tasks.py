@@ -512,6 +512,17 @@ class _FailingStream(torch.utils.data.IterableDataset):
         raise FileNotFoundError("shard-00000.jsonl is missing")
 
 
+class _EmptyStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(())
+
+
+def empty_stream(cfg) -> Task:
+    task = regression_task(cfg)
+    task.train_set = _EmptyStream()
+    return task
+
+
 def failing_stream(cfg) -> Task:
     task = regression_task(cfg)
     task.train_set = _FailingStream()
@@ -537,7 +548,7 @@ def token_file_lm(cfg) -> Task:
 
     torch.manual_seed(cfg.seed)
     return Task(model=TinyLM(), train_set=TokenFile(os.environ["TOKEN_FILE"], seq_len=64),
-                loss_fn=_next_token_loss, defaults={"lr": 0.1, "optimizer": "sgd"})
+                loss_fn=_next_token_loss, defaults={"lr": 0.1, "optimizer": "sgd"}, tokens_per_sample=64)
 
 
 def jsonl_stream(cfg) -> Task:

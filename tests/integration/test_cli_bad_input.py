@@ -88,6 +88,8 @@ CASES = [
     (["--task", TASKS + "detached_step"], {}, "Task.step_fn returned a loss that does not depend on any trainable"),
     (["--task", TASKS + "failing_stream"], {}, "the training set's iterator failed before its first batch: "
                                                "FileNotFoundError: shard-00000.jsonl is missing"),
+    (["--task", TASKS + "empty_stream", "--max-steps", "5"], {},
+     "the training stream gave no sample in epoch 0, on any rank"),
     (["--task", TASKS + "failing_stream", "--workers", "2"], {}, "the training set's iterator failed before its "
                                                                  "first batch: FileNotFoundError: shard-00000.jsonl"),
     (["--task", TASKS + "stream", "--lr-schedule", "cosine"], {},

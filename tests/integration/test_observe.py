@@ -1,8 +1,10 @@
 """What observe/ reports: evaluation exact on any world size, schedules that follow their
 formula, TensorBoard and curves from rank 0, the progress bar, the straggler report."""
 
+import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.nn import functional as F
@@ -131,6 +133,7 @@ def test_report_command_prints_summary_and_redraws(digits_run, capsys):
     out = capsys.readouterr().out
     assert "eval_accuracy" in out and "epochs" in out
     assert (digits_run / "curves.png").exists()
+    assert f"export: ddptrain export {digits_run} --format safetensors --out {digits_run / 'model.safetensors'}" in out
 
 
 @pytest.mark.slow
@@ -189,3 +192,18 @@ def test_a_slow_rank_is_named_in_the_straggler_report(tmp_path, capfd):
     assert summary["stragglers"].startswith("rank 1 (1/1 epochs")
     assert "stragglers" in capfd.readouterr().out
 
+
+@pytest.mark.slow
+def test_throughput_is_reported_in_tokens_tflops_and_mfu_and_profile_writes_a_trace_of_3_steps(tmp_path):
+    tokens = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 256, size=200_000, dtype=np.uint16).tofile(tokens)
+    summary = fit(TASKS + "token_file_lm", tmp_path / "run", env={"TOKEN_FILE": str(tokens)}, max_steps=12,
+                  batch_size=8, profile=3, peak_tflops=0.5)
+    (record,) = read_metrics(tmp_path / "run")
+    assert record["tokens_per_s"] == pytest.approx(record["samples_per_s"] * 64, rel=0.01)
+    assert record["tflops"] > 0 and record["mfu"] == pytest.approx(record["tflops"] / (0.5 * 2), abs=1e-4)
+    assert summary["tokens_per_s"] == record["tokens_per_s"]
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / "run" / "profile" / f"rank-{rank}.json").read_text())
+        steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+        assert len(steps) == 3, steps

@@ -136,6 +136,10 @@ def console_line(record: dict[str, Any]) -> str:
             parts.append(f"{key} {_fmt(value)}")
     if record.get("samples_per_s"):
         parts.append(f"{record['samples_per_s']:,.0f} samples/s")
+    if record.get("tokens_per_s"):
+        parts.append(f"{record['tokens_per_s']:,.0f} tokens/s")
+    if record.get("tflops"):
+        parts.append(f"{record['tflops']:.3g} TFLOP/s" + (f" (MFU {record['mfu']:.1%})" if "mfu" in record else ""))
     if "epoch_time_s" in record:
         parts.append(f"{record['epoch_time_s']:.2f} s")
     return " | ".join(parts)
@@ -197,9 +201,10 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "steps": records[-1]["step"] if records else 0,
         "wall_time_s": round(sum(r.get("epoch_time_s", 0.0) for r in epochs), 2),
     }
-    rates = [r["samples_per_s"] for r in epochs if r.get("samples_per_s")]
-    if rates:
-        summary["samples_per_s"] = round(sum(rates) / len(rates), 1)
+    for name, digits in (("samples_per_s", 1), ("tokens_per_s", 1), ("tflops", 4), ("mfu", 4)):
+        rates = [r[name] for r in epochs if r.get(name)]
+        if rates:
+            summary[name] = round(sum(rates) / len(rates), digits)
     if epochs:
         summary["train_loss"] = epochs[-1]["train_loss"]
     evaluated = [r for r in records if any(k.startswith("eval_") for k in r)]

@@ -44,6 +44,8 @@ class Task:
     # --strategy fsdp / --activation-checkpointing: the submodules that are blocks (default:
     # the members of the model's largest ModuleList or Sequential).
     blocks: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = None
+    # Tokens in one sample (a language model's sequence length): tokens/s in metrics.jsonl.
+    tokens_per_sample: int | None = None
 
 
 TaskFactory = Callable[[Any], Task]

@@ -1,0 +1,108 @@
+"""Throughput in the units runs are compared by: samples/s, tokens/s, TFLOP/s and MFU.
+
+FLOPs are counted once, on the first optimizer step, with torch's own
+``torch.utils.flop_counter.FlopCounterMode`` (forward and backward of every micro-batch of
+the step, on this rank): after that a step costs what the first one did, for the same batch
+shapes. The job's FLOPs per step are the ranks' counts added (one small all-reduce, once).
+Achieved TFLOP/s = FLOPs per step x steps / seconds; MFU = that / (the peak of one device x
+the number of ranks). The peak is the device's dense bf16 peak (torchtitan's convention) from
+``PEAK_TFLOPS`` when torch names a GPU listed there, or ``--peak-tflops``; on CPU, only the
+latter. Tokens: ``Task.tokens_per_sample`` (e.g. a language model's sequence length).
+
+``--profile N`` records steps 2 to N+1 (the first step, with its one-off costs, is left
+out) with ``torch.profiler`` and writes one Chrome / Perfetto trace per rank to
+``RUN_DIR/profile/rank-R.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense bf16 TFLOP/s of one device, as vendors state them (SXM parts where there are two).
+PEAK_TFLOPS = {
+    "H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0,
+    "A800": 312.0, "L40S": 362.0, "L40": 181.0, "L4": 121.0, "A10G": 70.0, "A10": 125.0, "V100": 125.0,
+    "T4": 65.0, "MI300X": 1307.0, "MI250X": 383.0,
+}
+
+
+def device_peak_tflops(device: torch.device) -> float | None:
+    """The dense bf16 peak of ``device`` when it is a GPU this table knows, else None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).upper()
+    for model in sorted(PEAK_TFLOPS, key=len, reverse=True):  # "H100" before "H10", "L40S" before "L40"
+        if model in name:
+            return PEAK_TFLOPS[model]
+    return None
+
+
+class FlopCount:
+    """This rank's FLOPs of one optimizer step, counted on the first step it is asked to."""
+
+    def __init__(self) -> None:
+        self.per_step: int | None = None  # this rank's
+        self._mode: Any = None
+
+    @contextlib.contextmanager
+    def first_step(self) -> Any:
+        """Around a step's forward and backward: counts them the first time, nothing after."""
+        if self.per_step is not None:
+            yield
+            return
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as mode:
+            yield
+        self.per_step = int(mode.get_total_flops())
+
+
+def throughput_record(samples: int, seconds: float, steps: int, job_flops_per_step: float | None,
+                      tokens_per_sample: int | None, peak_tflops: float | None, world_size: int) -> dict[str, Any]:
+    """The epoch record's throughput figures (``samples`` and ``steps`` over ``seconds``)."""
+    record: dict[str, Any] = {}
+    if seconds <= 0:
+        return record
+    if tokens_per_sample:
+        record["tokens_per_s"] = round(samples * tokens_per_sample / seconds, 1)
+    if job_flops_per_step:
+        achieved = job_flops_per_step * steps / seconds / 1e12
+        record["tflops"] = round(achieved, 4)
+        if peak_tflops:
+            record["mfu"] = round(achieved / (peak_tflops * world_size), 4)
+    return record
+
+
+class StepProfiler:
+    """``--profile N``: torch.profiler over steps 2..N+1, one trace per rank into the run dir."""
+
+    def __init__(self, steps: int, run_dir: Path, rank: int, device: torch.device) -> None:
+        self.steps, self.device, self.path = steps, device, run_dir / "profile" / f"rank-{rank}.json"
+        self.profiler: Any = None
+
+    def start(self) -> None:
+        if self.steps <= 0:
+            return
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self.profiler = profile(activities=activities, on_trace_ready=self._write,
+                                schedule=schedule(wait=1, warmup=0, active=self.steps, repeat=1))
+        self.profiler.start()
+
+    def step_done(self) -> None:
+        if self.profiler is not None:
+            self.profiler.step()
+
+    def close(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None
+
+    def _write(self, profiler: Any) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(self.path))

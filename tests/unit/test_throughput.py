@@ -1,0 +1,35 @@
+"""FLOPs, tokens/s and MFU arithmetic, in this process."""
+
+import pytest
+import torch
+
+from ddptrain.observe.throughput import FlopCount, device_peak_tflops, throughput_record
+
+
+def test_a_linear_language_models_counted_flops_are_six_times_parameters_times_tokens():
+    """The textbook figure: forward 2N, backward 4N per token, N the non-embedding parameters
+    (the head's input needs its gradient: the embedding is trained)."""
+    vocab, width, batch, length = 256, 32, 4, 64
+    model = torch.nn.Sequential(torch.nn.Embedding(vocab, width), torch.nn.Linear(width, vocab, bias=False))
+    tokens = torch.randint(0, vocab, (batch, length))
+    count = FlopCount()
+    with count.first_step():
+        logits = model(tokens)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    expected = 6 * width * vocab * batch * length
+    assert count.per_step == pytest.approx(expected, rel=0.01)
+    with count.first_step():  # counted once: later steps run as they are
+        model(tokens).sum().backward()
+    assert count.per_step == pytest.approx(expected, rel=0.01)
+
+
+def test_tokens_per_second_and_mfu_follow_from_the_counts():
+    record = throughput_record(samples=640, seconds=2.0, steps=10, job_flops_per_step=4e12,
+                               tokens_per_sample=128, peak_tflops=10.0, world_size=2)
+    assert record == {"tokens_per_s": 640 / 2.0 * 128, "tflops": 20.0, "mfu": 1.0}
+    assert "mfu" not in throughput_record(640, 2.0, 10, 4e12, None, None, 2)  # no known peak: no MFU
+    assert throughput_record(640, 2.0, 10, None, None, 10.0, 2) == {}
+
+
+def test_cpus_have_no_peak_unless_given():
+    assert device_peak_tflops(torch.device("cpu")) is None
