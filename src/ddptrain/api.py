@@ -82,11 +82,18 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
     nproc = parse_nproc(cfg.nproc) or auto_nproc(cfg.device)
     device_kind, backend = resolve_device_kind(cfg.device, cfg.backend, nproc)
     check_comm_hook(cfg.comm_hook, backend)
-    hold = RunDirHold(cfg.run_dir, new_job_id()).acquire()  # type: ignore[arg-type]
+    pod = getattr(env, "pod", 0)  # a PyTorchJob pod: one node of several; the first holds the run dir
+    if env.name == "pytorchjob":
+        from .console import say
+
+        say(f"ddptrain: a Kubeflow PyTorchJob pod (RANK={pod} of WORLD_SIZE={env.pods} pods): node {pod}, "
+            f"{nproc} rank(s) here, {nproc * env.pods} in all, meeting at {env.master_addr}:{env.master_port}")
+    hold = RunDirHold(cfg.run_dir, new_job_id()).acquire() if pod == 0 else None  # type: ignore[arg-type]
     try:
-        return launch_local(cfg, nproc, device_kind, factory), 0
+        return launch_local(cfg, nproc, device_kind, factory, env), pod * nproc
     finally:
-        hold.release()
+        if hold is not None:
+            hold.release()
 
 
 def fit(task: str | TaskFactory, *, config: str | None = None, **options: Any) -> dict[str, Any]:

@@ -64,3 +64,28 @@ def test_two_namespaces_train_like_one_host(tmp_path, two_hosts, start):
     config_master = outputs[0][0] + outputs[1][0]
     assert "training regression on 2 rank(s)" in config_master
     assert_same_weights(load_model(tmp_path / "two"), load_model(tmp_path / "single"), exact=True)
+
+
+# What Kubeflow's training operator (v1 PyTorchJob) sets in each pod, and the kubelet in any pod.
+def _pytorchjob_env(pod: int, link: str) -> dict[str, str]:
+    return clean_env(RANK=str(pod), WORLD_SIZE="2", MASTER_ADDR=HOSTS["a"], MASTER_PORT="23456", PYTHONUNBUFFERED="1",
+                     KUBERNETES_SERVICE_HOST="10.96.0.1", KUBERNETES_SERVICE_PORT="443",
+                     GLOO_SOCKET_IFNAME=link)  # (the pods' hostnames resolve to 127.0.0.1 here, not in a cluster)
+
+
+@pytest.mark.slow
+def test_a_pytorchjob_of_two_pods_with_two_processes_each_trains_like_four_local_ranks(tmp_path, two_hosts, start):
+    """The manifest's command, `ddptrain train --nproc 2`, in two pods: RANK and WORLD_SIZE count
+    pods, so each pod starts 2 ranks as one node of 2; the weights are a local 4-rank run's."""
+    names, links = two_hosts
+    assert_ok(ddptrain_cli(*TRAIN, "--nproc", "4", "--run-dir", str(tmp_path / "local")))
+    pods = [start(["ip", "netns", "exec", name, str(BIN / "ddptrain"), *TRAIN, "--nproc", "2",
+                   "--run-dir", str(tmp_path / "job")], env=_pytorchjob_env(pod, links[host]))
+            for pod, (host, name) in enumerate(names.items())]
+    outputs = [p.communicate(timeout=120) for p in pods]
+    assert [p.returncode for p in pods] == [0, 0], outputs
+    for pod, (out, _) in enumerate(outputs):
+        assert (f"ddptrain: a Kubeflow PyTorchJob pod (RANK={pod} of WORLD_SIZE=2 pods): node {pod}, 2 rank(s) "
+                f"here, 4 in all, meeting at {HOSTS['a']}:23456") in out, out
+    assert "training regression on 4 rank(s)" in outputs[0][0]
+    assert_same_weights(load_model(tmp_path / "job"), load_model(tmp_path / "local"), exact=True)

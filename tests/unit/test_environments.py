@@ -2,8 +2,10 @@
 
 import pytest
 
+from ddptrain import ConfigError
 from ddptrain.launch.environments import (
     LocalEnvironment,
+    PyTorchJobPod,
     SlurmEnvironment,
     TorchrunEnvironment,
     detect,
@@ -79,3 +81,25 @@ def test_legacy_launcher_local_rank_argument_is_accepted(spelling):
 
     args = build_parser().parse_args(["train", *spelling])
     assert args.local_rank == 1
+
+
+POD = {"RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "23456",
+       "KUBERNETES_SERVICE_HOST": "10.96.0.1", "PYTHONUNBUFFERED": "1"}
+
+
+def test_a_pytorchjob_pods_rank_and_world_size_count_pods():
+    env = detect(POD)
+    assert isinstance(env, PyTorchJobPod) and isinstance(env, LocalEnvironment)  # it starts the ranks
+    assert (env.pod, env.pods, env.master_addr, env.master_port) == (1, 3, "127.0.0.1", 23456)
+    env.validate()
+
+
+def test_torchrun_inside_a_pod_and_a_hand_set_rank_outside_kubernetes_stay_one_rank():
+    assert isinstance(detect({**POD, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}), TorchrunEnvironment)
+    assert isinstance(detect({**POD, "TORCHELASTIC_RUN_ID": "job"}), TorchrunEnvironment)
+    assert isinstance(detect({k: v for k, v in POD.items() if k != "KUBERNETES_SERVICE_HOST"}), TorchrunEnvironment)
+
+
+def test_a_pod_index_outside_the_job_is_one_line():
+    with pytest.raises(ConfigError, match=r"^RANK=3 is outside the PyTorchJob's 3 pod\(s\) \(WORLD_SIZE\)"):
+        detect({**POD, "RANK": "3"}).validate()

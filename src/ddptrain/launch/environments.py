@@ -218,7 +218,59 @@ class LocalEnvironment(Environment):
         check_resolvable(self.master_addr, "MASTER_ADDR")
 
 
-ENVIRONMENTS: tuple[type[Environment], ...] = (TorchrunEnvironment, SlurmEnvironment, LocalEnvironment)
+class PyTorchJobPod(LocalEnvironment):
+    """A pod of a Kubeflow PyTorchJob (the training operator's v1 API). The operator sets
+    torchrun's names to other meanings: ``WORLD_SIZE`` is the number of pods, ``RANK`` this pod's
+    index, ``MASTER_ADDR:MASTER_PORT`` the master pod's service; torchrun's own variables
+    (``LOCAL_RANK``, ``TORCHELASTIC_RUN_ID``) are absent. ddptrain then starts ``--nproc`` ranks
+    in this pod as node ``RANK`` of ``WORLD_SIZE`` (launch/local.py), meeting the other pods at
+    ``MASTER_ADDR:MASTER_PORT``. ``KUBERNETES_SERVICE_HOST`` (in every pod) tells it from a
+    script that sets the four variables for one rank by hand, which stays one rank."""
+
+    name = "pytorchjob"
+
+    @classmethod
+    def detect(cls, env: Mapping[str, str]) -> bool:
+        return (TorchrunEnvironment.detect(env) and "KUBERNETES_SERVICE_HOST" in env
+                and not any(k in env for k in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "GROUP_RANK")))
+
+    rank_var, world_var = "RANK", "WORLD_SIZE"
+
+    @property
+    def pod(self) -> int:
+        return self._int("RANK")
+
+    @property
+    def pods(self) -> int:
+        return self._int("WORLD_SIZE")
+
+    @property
+    def master_addr(self) -> str:  # type: ignore[override]
+        return self.env["MASTER_ADDR"]
+
+    def validate(self) -> None:
+        if self.pods < 1:
+            raise ConfigError(f"WORLD_SIZE={self.pods}: a PyTorchJob has at least one pod")
+        if not 0 <= self.pod < self.pods:
+            raise ConfigError(f"RANK={self.pod} is outside the PyTorchJob's {self.pods} pod(s) (WORLD_SIZE): "
+                              f"pod indices are 0 to {self.pods - 1}")
+        if not 1 <= self.master_port <= 65535:
+            raise ConfigError(f"MASTER_PORT={self.master_port} is not a port (1-65535)")
+        check_resolvable(self.master_addr, "MASTER_ADDR")
+
+    def own_address(self) -> str:
+        """This pod's address as the other pods reach it: the one its route to the master uses."""
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((self.master_addr, self.master_port))  # no packet: a UDP connect only routes
+            return probe.getsockname()[0]
+
+    def describe(self) -> dict[str, object]:
+        return {"launcher": self.name, "pod": self.pod, "pods": self.pods, "master_addr": self.master_addr,
+                "master_port": self.master_port}
+
+
+ENVIRONMENTS: tuple[type[Environment], ...] = (PyTorchJobPod, TorchrunEnvironment, SlurmEnvironment,
+                                               LocalEnvironment)
 
 
 def detect(env: Mapping[str, str] | None = None, local_rank_arg: int | None = None) -> Environment:

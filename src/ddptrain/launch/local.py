@@ -29,7 +29,7 @@ from ..errors import ConfigError, LaunchFailed
 from ..resilience.failures import failure_report
 from ..resilience.stop_signals import restore_handlers
 from ..tasks.protocol import TaskFactory
-from .environments import LocalEnvironment
+from .environments import LocalEnvironment, PyTorchJobPod
 from .group import cuda_count
 from .rank import Outcome, rank_entry
 
@@ -97,17 +97,24 @@ def new_job_id() -> str:
     return f"local-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFactory | None) -> Outcome:
-    """Run ``nproc`` ranks on this machine; rank 0's outcome, or LaunchFailed / ConfigError."""
-    env = LocalEnvironment()
-    addr, port = env.master_addr, env.master_port  # port 0: the OS picks a free one, no clashes
-    check_can_listen(addr, port)
+def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFactory | None,
+                 env: LocalEnvironment | None = None) -> Outcome:
+    """Run ``nproc`` ranks on this machine; rank 0's outcome, or LaunchFailed / ConfigError.
+    ``env``: a PyTorchJob pod is one node of several, meeting at the master pod's address."""
+    env = env or LocalEnvironment()
     run_dir = Path(cfg.run_dir)
+    if isinstance(env, PyTorchJobPod):
+        nodes, addr, port = env.pods, env.master_addr, env.master_port
+        run_id, local_addr, rdzv_conf = f"ddptrain-{addr}-{port}", env.own_address(), {"is_host": env.pod == 0}
+    else:
+        nodes, addr, port = 1, env.master_addr, env.master_port  # port 0: the OS picks a free one, no clashes
+        check_can_listen(addr, port)
+        run_id, local_addr, rdzv_conf = str(uuid.uuid4()), addr, {}
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+        min_nodes=nodes, max_nodes=nodes, nproc_per_node=nproc, run_id=run_id,
         # c10d, not the faster "static" rendezvous (0.13 s against 0.3-0.4 s here): under static,
         # a restarted rank 0 hung creating its store on the agent's port (tried: the kill tests).
-        rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}", local_addr=addr,
+        rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}", local_addr=local_addr, rdzv_configs=rdzv_conf,
         max_restarts=cfg.max_restarts, monitor_interval=0.1, start_method=start_method(device_kind),
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")),
     )
@@ -128,4 +135,4 @@ def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFact
     except SignalException as stop:
         return "preempted", (f"stopped by {stop.sigval.name}; the ranks saved a snapshot if they reached a "
                              "step boundary; run the same command to resume")
-    return outcomes[0]
+    return outcomes[min(outcomes)]  # keyed by global rank: this node's first (rank 0's on the first node)
