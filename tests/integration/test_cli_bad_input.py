@@ -11,6 +11,8 @@ from ddptrain.cli import main
 TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 SLURM = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_NODELIST": "node[1-2]",
          "SLURM_JOB_ID": "7", "SLURM_TASKS_PER_NODE": "2"}
+POD = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517",
+       "KUBERNETES_SERVICE_HOST": "10.96.0.1"}  # a Kubeflow PyTorchJob pod
 TASKS = "ddptrain_test_tasks:"
 
 # (arguments, environment, words the one line must hold); "{tmp}" is a scratch folder.
@@ -72,6 +74,8 @@ CASES = [
     ([], {"MASTER_PORT": "99999"}, "MASTER_PORT=99999 is not a port (0-65535)"),
     ([], {"MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not a whole number"),
     ([], {"MASTER_ADDR": "no-such-host.invalid"}, "is not a known host"),
+    ([], {**POD, "RANK": "2"}, "RANK=2 is outside the PyTorchJob's 2 pod(s) (WORLD_SIZE)"),
+    (["--timeout", "3"], POD, "not every pod of the PyTorchJob joined within --timeout 3 s at 127.0.0.1:"),
     ([], {**SLURM, "SLURM_PROCID": "x"}, "SLURM_PROCID='x' is not a whole number"),
     ([], {**SLURM, "SLURM_PROCID": "4"}, "SLURM_PROCID=4 is outside the world (SLURM_STEP_NUM_TASKS=2)"),
     ([], {**SLURM, "SLURM_JOB_NODELIST": "node[1-"}, "SLURM_JOB_NODELIST='node[1-' is not a Slurm host list"),
@@ -113,7 +117,7 @@ def test_bad_input_is_one_line_exit_2(args, env, words, tmp_path, capfd, monkeyp
     (tmp_path / "twice.toml").write_text("max_epochs = 2\nmax-epochs = 3\n")
     (tmp_path / "broken" / "snapshots").mkdir(parents=True)
     (tmp_path / "broken" / "snapshots" / "step-000000003.pt").write_bytes(b"\x00" * 10)
-    for key in [k for k in os.environ if k.startswith(("SLURM_", "MASTER_")) or k in TORCHRUN]:
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "MASTER_")) or k in TORCHRUN or k in POD]:
         monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, value)

@@ -22,6 +22,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ..config import RunConfig
@@ -105,7 +106,8 @@ def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFact
     run_dir = Path(cfg.run_dir)
     if isinstance(env, PyTorchJobPod):
         nodes, addr, port = env.pods, env.master_addr, env.master_port
-        run_id, local_addr, rdzv_conf = f"ddptrain-{addr}-{port}", env.own_address(), {"is_host": env.pod == 0}
+        run_id, local_addr = f"ddptrain-{addr}-{port}", env.own_address()
+        rdzv_conf = {"is_host": env.pod == 0, "join_timeout": cfg.timeout}  # all pods, or a clear error
     else:
         nodes, addr, port = 1, env.master_addr, env.master_port  # port 0: the OS picks a free one, no clashes
         check_can_listen(addr, port)
@@ -132,6 +134,12 @@ def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFact
     except ChildFailedError as failure:
         report, code = failure_report(failure, nproc, run_dir)
         raise LaunchFailed(report, code) from None
+    except RendezvousTimeoutError:
+        if not isinstance(env, PyTorchJobPod):
+            raise
+        raise ConfigError(f"not every pod of the PyTorchJob joined within --timeout {cfg.timeout:g} s at "
+                          f"{addr}:{port}: WORLD_SIZE={env.pods} says {env.pods} pods; check the job's replicas "
+                          "(in a PyTorchJob, WORLD_SIZE counts pods, not processes)") from None
     except SignalException as stop:
         return "preempted", (f"stopped by {stop.sigval.name}; the ranks saved a snapshot if they reached a "
                              "step boundary; run the same command to resume")
