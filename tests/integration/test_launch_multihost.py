@@ -89,3 +89,22 @@ def test_a_pytorchjob_of_two_pods_with_two_processes_each_trains_like_four_local
                 f"here, 4 in all, meeting at {HOSTS['a']}:23456") in out, out
     assert "training regression on 4 rank(s)" in outputs[0][0]
     assert_same_weights(load_model(tmp_path / "job"), load_model(tmp_path / "local"), exact=True)
+
+
+@pytest.mark.slow
+def test_a_trainjob_of_two_nodes_runs_torchrun_with_the_runtimes_pet_variables(tmp_path, two_hosts, start):
+    """Kubeflow Trainer's torch runtime runs the manifest's `torchrun -m ddptrain train` in each
+    node's pod with PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and
+    PET_MASTER_PORT, which torchrun reads as its flags: the weights are a local 4-rank run's."""
+    names, links = two_hosts
+    assert_ok(ddptrain_cli(*TRAIN, "--nproc", "4", "--run-dir", str(tmp_path / "local")))
+    nodes = []
+    for node, (host, name) in enumerate(names.items()):
+        env = clean_env(PET_NNODES="2", PET_NPROC_PER_NODE="2", PET_NODE_RANK=str(node), PET_MASTER_ADDR=HOSTS["a"],
+                        PET_MASTER_PORT="23457", KUBERNETES_SERVICE_HOST="10.96.0.1", GLOO_SOCKET_IFNAME=links[host])
+        nodes.append(start(["ip", "netns", "exec", name, str(BIN / "torchrun"), "-m", "ddptrain", *TRAIN,
+                            "--run-dir", str(tmp_path / "job")], env=env))
+    outputs = [n.communicate(timeout=120) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs
+    assert "training regression on 4 rank(s)" in outputs[0][0] + outputs[1][0]
+    assert_same_weights(load_model(tmp_path / "job"), load_model(tmp_path / "local"), exact=True)
