@@ -62,7 +62,7 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
     """Run the job: as this rank under a launcher, else start the local ranks here. Returns the
     outcome and this process's rank (0 for the local launcher: it speaks for the job).
     ``leave_on_failure``: a rank that fails says so and exits at once (the command line)."""
-    from .launch.environments import LocalEnvironment, detect
+    from .launch.environments import LocalEnvironment, PyTorchJobPod, detect
 
     env = detect(local_rank_arg=local_rank_arg)
     env.validate()
@@ -82,8 +82,8 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
     nproc = parse_nproc(cfg.nproc) or auto_nproc(cfg.device)
     device_kind, backend = resolve_device_kind(cfg.device, cfg.backend, nproc)
     check_comm_hook(cfg.comm_hook, backend)
-    pod = getattr(env, "pod", 0)  # a PyTorchJob pod: one node of several; the first holds the run dir
-    if env.name == "pytorchjob":
+    pod = env.pod if isinstance(env, PyTorchJobPod) else 0  # one node of several; the first holds the run dir
+    if isinstance(env, PyTorchJobPod):
         from .console import say
 
         say(f"ddptrain: a Kubeflow PyTorchJob pod (RANK={pod} of WORLD_SIZE={env.pods} pods): node {pod}, "
