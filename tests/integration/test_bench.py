@@ -44,3 +44,14 @@ def test_bench_names_missing_peers_in_one_line(tmp_path):
     assert missing == ["ddptrain bench: lightning and accelerate not installed (pip install 'ddptrain[bench]'): "
                        "their rows are left out"]
     assert [r[1] for r in _table(result.stdout)] == ["ddptrain-skip"]
+
+
+@pytest.mark.slow
+def test_bench_floor_prints_the_floor_and_ddptrains_1_epoch_command_side_by_side(tmp_path):
+    result = run([str(BIN / "ddptrain"), "bench", "--floor", "--reps", "2", "--out", str(tmp_path)], timeout=300)
+    assert_ok(result)
+    rows = {line.split("  ")[0].strip(): line.split() for line in result.stdout.splitlines()
+            if line.startswith(("floor ", "ddptrain 1 epoch"))}
+    assert rows["floor"][-1] == "1.00" and float(rows["ddptrain 1 epoch"][-1]) > 1.0, result.stdout
+    walls = json.loads((tmp_path / "floor.json").read_text())["walls_s"]
+    assert len(walls["floor"]) == len(walls["ddptrain 1 epoch"]) == 2

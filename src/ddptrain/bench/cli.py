@@ -170,6 +170,20 @@ def installed(module: str) -> bool:
     return True
 
 
+def floor_main(args: argparse.Namespace) -> int:
+    from . import floor
+
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    print(f"ddptrain bench --floor: {args.reps} rep(s) at {args.nproc} ranks, {os.cpu_count()} CPUs", flush=True)
+    walls = floor.measure(args.nproc, args.reps, env, log=lambda m: print(m, flush=True))
+    print("\n" + floor.format_table(walls))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "floor.json").write_text(json.dumps({"walls_s": walls, "nproc": args.nproc, "cpus": os.cpu_count()},
+                                               indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ddptrain bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,7 +198,11 @@ def main(argv: list[str] | None = None) -> int:
                         "(and lightning, accelerate with --peers); default: all")
     parser.add_argument("--smoke", action="store_true", help="tiny data, 1-epoch commands only: checks the plumbing")
     parser.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png")
+    parser.add_argument("--floor", action="store_true", help="instead: the start-up floor of a CPU job here (import "
+                        "torch, fork the ranks, gloo, one all-reduce) next to ddptrain's 1-epoch command")
     args = parser.parse_args(argv)
+    if args.floor:
+        return floor_main(args)
     jobs = args.jobs.split(",")
     epochs = {"tutorial": args.tutorial_epochs, "mlp": args.mlp_epochs}
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
