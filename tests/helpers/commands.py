@@ -128,3 +128,13 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
             assert torch.equal(a[key], b[key]), f"{key} differs"
         else:
             torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=f"{key} differs")
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie has exited: it is not left running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] != "Z"

@@ -20,8 +20,9 @@ def _table(stdout: str) -> list[list[str]]:
 @pytest.mark.slow
 def test_bench_with_peers_prints_one_table_of_the_same_job(tmp_path):
     """The benchmark's plumbing (its figures are not asserted: a smoke run measures nothing)."""
-    if not all(importlib.util.find_spec(peer) for peer in ("lightning", "accelerate")):  # (importing Lightning
-        pytest.skip("the bench extra (pip install 'ddptrain[bench]') is not installed")  # here sets variables)
+    # find_spec, not import: importing Lightning in the test process sets environment variables
+    if not all(importlib.util.find_spec(peer) for peer in ("lightning", "accelerate")):
+        pytest.skip("the bench extra (pip install 'ddptrain[bench]') is not installed")
     result = run([str(BIN / "ddptrain"), "bench", "--smoke", "--peers", "--reps", "1", "--jobs", "tutorial",
                   "--contenders", "loop,ddptrain,lightning,accelerate", "--out", str(tmp_path)], timeout=300)
     assert_ok(result)

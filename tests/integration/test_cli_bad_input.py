@@ -7,6 +7,7 @@ import os
 import pytest
 
 from ddptrain.cli import main
+from helpers.commands import alive
 
 TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 SLURM = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_NODELIST": "node[1-2]",
@@ -133,16 +134,7 @@ def test_bad_input_is_one_line_exit_2(args, env, words, tmp_path, capfd, monkeyp
     assert len(err.strip().splitlines()) == 1, err
     assert words in err and "Traceback" not in err, err
     for pid_file in (tmp_path / "run" / "pids").glob("*.pid"):
-        assert not _alive(int(pid_file.read_text())), "a rank outlived the error"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited: it is not left running
-        return stat.read().split(")")[-1].split()[0] != "Z"
+        assert not alive(int(pid_file.read_text())), "a rank outlived the error"
 
 
 def test_busy_master_port_is_one_line(monkeypatch, capsys):

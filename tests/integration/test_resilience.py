@@ -1,7 +1,6 @@
 """Fail fast and blame the right rank: a rank that raises ends the job at once, a rank that
 hangs is named with its stack, a non-finite step is never saved."""
 
-import os
 import time
 
 import pytest
@@ -12,18 +11,9 @@ from ddptrain.cli import main
 from ddptrain.data import StepSampler
 from ddptrain.snapshots import files
 from ddptrain.tasks.regression import regression_data
-from helpers.commands import assert_same_weights, clean_env, ddptrain_cli, fit, load_model, read_metrics
+from helpers.commands import alive, assert_same_weights, clean_env, ddptrain_cli, fit, load_model, read_metrics
 
 TASKS = "ddptrain_test_tasks:"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited: it is not left running
-        return stat.read().split(")")[-1].split()[0] != "Z"
 
 
 def _rank_pids(run_dir) -> list[int]:
@@ -53,7 +43,7 @@ def test_a_rank_that_raises_ends_the_job_every_time(tmp_path, capfd, monkeypatch
         assert code == 1, f"run {attempt}: exit {code}\n{err}"
         assert elapsed < 20, f"run {attempt} took {elapsed:.0f} s"
         _assert_names_rank_1(err)
-        assert not any(_alive(pid) for pid in _rank_pids(run_dir)), f"run {attempt}: a rank was left running"
+        assert not any(alive(pid) for pid in _rank_pids(run_dir)), f"run {attempt}: a rank was left running"
         assert not (run_dir / "model.pt").exists()
 
 
@@ -64,7 +54,7 @@ def test_a_rank_that_raises_in_the_real_command(tmp_path):
                           "--run-dir", str(tmp_path), env=clean_env(FAIL_RANK="1", FAIL_STEP="3"), timeout=60)
     assert result.returncode == 1 and time.monotonic() - started < 20, result.stderr
     _assert_names_rank_1(result.stderr)
-    assert not any(_alive(pid) for pid in _rank_pids(tmp_path))
+    assert not any(alive(pid) for pid in _rank_pids(tmp_path))
 
 
 @pytest.mark.slow
@@ -84,7 +74,7 @@ def test_a_hung_rank_is_named_with_its_stack_and_the_waiting_rank_is_not_blamed(
     assert (tmp_path / "logs" / "hang.txt").read_text().strip() == err.strip()
     stacks = {p.name: p.read_text() for p in (tmp_path / "logs" / "stacks").iterdir()}
     assert "wait_for_ever" in stacks["rank-1.txt"] and "backward" in stacks["rank-0.txt"]
-    assert not any(_alive(pid) for pid in _rank_pids(tmp_path))
+    assert not any(alive(pid) for pid in _rank_pids(tmp_path))
 
 
 def _nan_step() -> tuple[int, int]:
