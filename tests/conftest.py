@@ -56,3 +56,15 @@ def start():
         finish(process, timeout=0)
 
 
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """One real MLflow tracking server for the session's tracker tests (each test its own experiment;
+    a test may kill it and start it again)."""
+    from helpers.mlflow_server import MlflowServer
+
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow")).start()
+    yield server
+    server.kill()
+

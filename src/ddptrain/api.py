@@ -43,6 +43,10 @@ def prepare(task: str | TaskFactory | None, options: Mapping[str, Any],
         settings["task"] = task
     cfg = from_options(settings)
     validate(cfg)
+    if cfg.trackers():
+        from .observe.trackers import check_installed
+
+        check_installed(cfg.trackers())
     if factory is None:
         from . import tasks
 

@@ -68,6 +68,9 @@ def build_parser() -> OneLineParser:
     commands.add_parser("env", help="what torch, CUDA and the launcher look like from here")
     report = commands.add_parser("report", help="summary table and curves.png of a finished run")
     report.add_argument("run_dir", help="a run directory holding metrics.jsonl")
+    report.add_argument("--sync", default=None, metavar="TRACKER",
+                        help="send the run's records that TRACKER (mlflow, wandb, csv, tensorboard) missed, "
+                        "each step once, to the same tracker run")
     export = commands.add_parser("export", help="a run's weights as safetensors, a Hugging Face folder, "
                                  "or a plain torch state_dict")
     export.add_argument("run_dir", help="a run directory (its model.pt, or --snapshot N)")
@@ -116,7 +119,21 @@ def report(args: argparse.Namespace) -> int:
         from .export import export_command_hint
 
         print(export_command_hint(run_dir))
+    if args.sync:
+        print(sync_tracker(run_dir, args.sync, summary))
     return 0
+
+
+def sync_tracker(run_dir: Path, name: str, summary: dict[str, Any]) -> str:
+    from .observe.report import read_metrics
+    from .observe.trackers import tracker_named
+    from .observe.tracking import sync
+
+    tracker = tracker_named(name)
+    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
+    sent, held = sync(tracker, run_dir, read_metrics(run_dir), config,
+                      [run_dir / "config.json", run_dir / "curves.png"], summary)
+    return f"{name}: sent {sent} value(s) it was missing; it already held {held}"
 
 
 def export_command(args: argparse.Namespace) -> int:

@@ -28,12 +28,15 @@ import tomllib
 from .errors import ConfigError  # noqa: F401 - also ddptrain.config.ConfigError
 
 
-def _opt(help: str, *, choices: tuple[str, ...] | None = None, alias: str | None = None, **kw: Any) -> Any:
-    """A config field with the metadata cli.py turns into a flag."""
-    return field(metadata={"help": help, "choices": choices, "alias": alias}, **kw)
+def _opt(help: str, *, choices: tuple[str, ...] | None = None, alias: str | None = None, many: bool = False,
+         **kw: Any) -> Any:
+    """A config field with the metadata cli.py turns into a flag. ``many``: a comma-separated
+    list (a list in a settings file or a keyword argument)."""
+    return field(metadata={"help": help, "choices": choices, "alias": alias, "many": many}, **kw)
 
 
 DEFAULT_EPOCHS = 5  # when neither --max-epochs nor --max-steps is given
+TRACKERS = ("csv", "tensorboard", "mlflow", "wandb")  # observe/trackers.py
 
 # Hyper-parameters a task may choose defaults for, and the defaults when it does not.
 GLOBAL_DEFAULTS: dict[str, Any] = {
@@ -51,8 +54,8 @@ MATH_FIELDS = ("task", "seed", "lr", "optimizer", "momentum", "weight_decay", "l
 
 # Settings that do not define *which* run this is: changing them keeps the default run dir,
 # so the same command (or the same command with more epochs) finds its run again.
-NOT_IDENTITY = ("run_dir", "resume", "max_epochs", "max_steps", "progress", "tensorboard", "plot", "log_ranks",
-                "timeout", "max_restarts", "keep", "save_every", "save_seconds", "eval_every",
+NOT_IDENTITY = ("run_dir", "resume", "max_epochs", "max_steps", "progress", "tensorboard", "tracker", "plot",
+                "log_ranks", "timeout", "max_restarts", "keep", "save_every", "save_seconds", "eval_every",
                 "eval_every_steps", "workers", "peak_tflops", "profile")
 
 
@@ -138,7 +141,10 @@ class RunConfig:
     log_ranks: bool = _opt("every rank prints the tutorial's per-epoch line", default=False)
     progress: bool | None = _opt("progress bar on rank 0 (default: when stderr is a terminal)",
                                  default=None)
-    tensorboard: bool = _opt("write TensorBoard event files into the run dir", default=False)
+    tensorboard: bool = _opt("write TensorBoard event files into the run dir (--tracker tensorboard)", default=False)
+    tracker: str = _opt(f"send metrics, settings and files to experiment trackers, comma-separated: "
+                        f"{', '.join(TRACKERS)} (MLflow reads MLFLOW_TRACKING_URI, W&B its WANDB_* variables)",
+                        default="", many=True)
     peak_tflops: float | None = _opt("one device's peak TFLOP/s, for MFU (default: a table of GPUs' dense "
                                      "bf16 peaks; none on CPU)", default=None)
     profile: int = _opt("record steps 2..N+1 with torch.profiler: RUN_DIR/profile/rank-R.json (Chrome / "
@@ -169,6 +175,11 @@ class RunConfig:
         if self.max_epochs is not None:
             return self.max_epochs
         return DEFAULT_EPOCHS if self.max_steps is None else math.inf
+
+    def trackers(self) -> list[str]:
+        """The trackers to send to, each once (``--tensorboard`` is ``--tracker tensorboard``)."""
+        names = [n.strip() for n in self.tracker.split(",") if n.strip()] + ["tensorboard"] * self.tensorboard
+        return list(dict.fromkeys(names))
 
     def global_batch(self, world_size: int) -> int:
         """Samples per optimizer step over every rank: batch x ranks x accumulation."""
@@ -234,6 +245,9 @@ def coerce(name: str, value: Any, where: str) -> Any:
             return value
         if kind is str and isinstance(value, (str, int)) and not isinstance(value, bool):
             return str(value)  # nproc = 2 in a file means "2"
+        if FIELDS[name].metadata["many"] and isinstance(value, (list, tuple)) and all(
+                isinstance(v, str) for v in value):
+            return ",".join(value)  # tracker = ["mlflow", "csv"]
         if isinstance(value, str) and kind in (int, float):
             return kind(value)
         raise ValueError
@@ -350,6 +364,10 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(message)
     parse_nproc(cfg.nproc)
     _check_strategy_options(cfg)
+    unknown = [name for name in cfg.trackers() if name not in TRACKERS]
+    if unknown:
+        raise ConfigError(f"--tracker {unknown[0]}: unknown tracker; choose from {', '.join(TRACKERS)} "
+                          "(comma-separated for several)")
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         raise ConfigError(f"--resume {cfg.resume}: no such snapshot; "
                           "use auto, never, or the path of a snapshot")

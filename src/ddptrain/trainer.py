@@ -150,9 +150,12 @@ class Trainer:
         except BaseException:
             self.stop_signal.close(wait=False)  # a peer may never answer: leave at once
             self.checkpointer.close(wait=False)
+            self.reporter.close("failed")
             raise
         finally:
             self.profiler.close()
+        if outcome == "preempted":
+            self.reporter.close("stopped")
         self.stop_signal.close()
         self.checkpointer.close()
         return outcome

@@ -81,7 +81,8 @@ def test_lr_follows_schedule_formula():
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("digits")
-    fit("digits", run_dir, max_epochs=3, lr_schedule="cosine", warmup_steps=5, tensorboard=True, plot=True)
+    fit("digits", run_dir, env={"WANDB_MODE": "offline"}, max_epochs=3, lr_schedule="cosine", warmup_steps=5,
+        tensorboard=True, tracker="csv,wandb", plot=True)
     return run_dir
 
 
@@ -124,6 +125,43 @@ def test_tensorboard_holds_the_scalars(digits_run):
     accuracy_points = events.Scalars("eval_accuracy")
     assert [p.step for p in accuracy_points] == [23, 46, 69]
     assert accuracy_points[-1].value == pytest.approx(read_metrics(run_dir)[-1]["eval_accuracy"])
+
+
+def _epochs(run_dir, *keys):
+    return [tuple(r[k] for k in keys) for r in read_metrics(run_dir) if r["kind"] == "epoch"]
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_holds_every_epoch(digits_run):
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal import datastore  # wandb's own reader of its run files
+
+    (run_file,) = (digits_run / "wandb").glob("offline-run-*/run-*.wandb")
+    store = datastore.DataStore()
+    store.open_for_scan(str(run_file))
+    history = []
+    while (data := store.scan_data()) is not None:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "history":
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.history.item})
+    keys = ("step", "train_loss", "eval_accuracy", "lr")
+    assert [(h["_step"], h["train_loss"], h["eval_accuracy"], h["lr"]) for h in history] == _epochs(digits_run, *keys)
+    assert all("memory_mb/peak_rss_mb/max" in h and "samples_per_s" in h for h in history)
+    files = run_file.parent / "files"
+    assert json.loads((files / "config.json").read_text()) == json.loads((digits_run / "config.json").read_text())
+
+
+@pytest.mark.slow
+def test_csv_has_a_row_per_epoch_and_a_column_per_metric(digits_run):
+    import csv
+
+    with open(digits_run / "metrics.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(int(r["step"]), float(r["train_loss"]), float(r["eval_accuracy"])) for r in rows] == _epochs(
+        digits_run, "step", "train_loss", "eval_accuracy")
+    assert {"data_s/max", "memory_mb/model_state_mb/max", "epoch_time_s"} <= set(rows[0])
 
 
 @pytest.mark.slow

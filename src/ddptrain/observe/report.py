@@ -1,5 +1,6 @@
-"""What a run tells people: rank 0's console lines, progress bar, metrics.jsonl, TensorBoard,
-the curves plot and the final summary. Other ranks get a Reporter that does nothing.
+"""What a run tells people: rank 0's console lines, progress bar, metrics.jsonl, the
+experiment trackers (tracking.py), the curves plot and the final summary. Other ranks get a
+Reporter that does nothing.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from ..config import RunConfig
 from ..console import say
+from .tracking import Tracking
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -37,7 +39,7 @@ class Reporter:
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.bar: Any = None
-        self.tb: Any = None
+        self.tracking: Tracking | None = None
 
     def begin(self, cfg: RunConfig, resumed_step: int | None) -> None:
         """The run's settings as really used (config.json); on resume, forget metrics logged
@@ -49,8 +51,11 @@ class Reporter:
             # A partial epoch's record ended an earlier run (--max-steps); the epoch goes on now.
             kept = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= resumed_step and not r.get("partial")]
             (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
-        if cfg.tensorboard:
-            self.tb = _tensorboard_writer(self.run_dir)
+        if cfg.trackers():
+            from .trackers import make_trackers
+
+            self.tracking = Tracking(make_trackers(cfg), self.run_dir)
+            self.tracking.begin(json.loads(cfg.to_json()))
 
     def info(self, message: str) -> None:
         if self.bar is not None:
@@ -85,22 +90,27 @@ class Reporter:
 
     # --- records -------------------------------------------------------------------------------
     def log(self, record: dict[str, Any]) -> None:
-        """One line of metrics.jsonl, a console line, and TensorBoard scalars."""
+        """One line of metrics.jsonl, a console line, and the trackers' copies (queued)."""
         with open(self.run_dir / "metrics.jsonl", "a") as handle:
             handle.write(json.dumps(record) + "\n")
         self.info(console_line(record))
-        if self.tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key not in ("epoch", "step"):
-                    self.tb.add_scalar(key, value, record["step"])
-            self.tb.flush()
+        if self.tracking is not None:
+            self.tracking.log(record)
 
     def finish(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-        self.info(format_summary(summarize(self.run_dir)))
+        summary = summarize(self.run_dir)
+        self.info(format_summary(summary))
         if self.cfg.plot:
             self.info(plot_curves(self.run_dir) or f"curves: {self.run_dir / 'curves.png'}")
+        self.close("finished", summary)
+
+    def close(self, status: str, summary: dict[str, Any] | None = None) -> None:
+        """Close the trackers' runs (``status``: finished, stopped, failed), once."""
+        if self.tracking is not None:
+            tracking, self.tracking = self.tracking, None
+            files = [self.run_dir / name for name in ("config.json", "curves.png")]
+            tracking.end(status, files if status == "finished" else [], summary,
+                         wait_s=60.0 if status == "finished" else 5.0)
 
 
 class NullReporter(Reporter):
@@ -122,6 +132,9 @@ class NullReporter(Reporter):
         pass
 
     def finish(self) -> None:
+        pass
+
+    def close(self, status: str, summary: dict[str, Any] | None = None) -> None:
         pass
 
 
@@ -149,16 +162,6 @@ def format_summary(summary: dict[str, Any]) -> str:
     width = max((len(k) for k in summary), default=0)
     lines = ["summary"] + [f"  {k.ljust(width)}  {_fmt(v)}" for k, v in summary.items()]
     return "\n".join(lines)
-
-
-def _tensorboard_writer(run_dir: Path) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        say("--tensorboard: the tensorboard package is not installed "
-            "(pip install 'ddptrain[tensorboard]'); continuing without it")
-        return None
-    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
 
 def plot_curves(run_dir: Path) -> str | None:

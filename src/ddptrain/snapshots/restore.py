@@ -33,7 +33,8 @@ from ..errors import ConfigError, StorageNotShared
 from . import dcp as snapshot_dcp
 from . import files
 
-LEFTOVERS = ("snapshots", "metrics.jsonl", "model.pt", "config.json", "curves.png", "tensorboard")
+LEFTOVERS = ("snapshots", "metrics.jsonl", "model.pt", "config.json", "curves.png", "tensorboard", "trackers.json",
+             "metrics.csv", "wandb")
 
 
 @dataclass

@@ -1,0 +1,203 @@
+"""Sending a run's records to experiment trackers, off the training thread.
+
+metrics.jsonl stays the source of truth; trackers get copies. One thread on rank 0 drives
+every tracker (``Tracking``), so a tracker that is slow, down or broken never stops training:
+its first failure is one warning line, and it gets nothing more in this run.
+``ddptrain report RUN_DIR --sync NAME`` later sends what it missed (``sync``).
+
+Each tracker sends a (metric, step) pair at most once, across kills and resumes: the run dir's
+``trackers.json`` keeps each tracker's run id (a resumed run continues the same tracker run)
+and the last step it took; trackers that can say what they hold (MLflow's server, the CSV
+file) are asked too, which covers a kill between a send and that file's update.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from ..console import say
+from ..errors import ConfigError
+
+STATE_FILE = "trackers.json"
+# Record fields that place a record rather than measure anything.
+PLACES = ("kind", "step", "time", "partial", "first_step_at")
+
+
+class Tracker:
+    """One experiment tracker. Only the tracking thread calls these; any may raise."""
+
+    name = "tracker"
+    tells_held = False  # held() is exact: its answer alone decides what is sent again
+
+
+    def open(self, run_dir: Path, params: dict[str, str], saved: dict[str, Any]) -> dict[str, Any]:
+        """Start the tracker's run, or continue the one ``saved`` (this tracker's part of
+        trackers.json) names; return what to keep there (ids)."""
+        return {}
+
+    def held(self) -> set[tuple[str, int]]:
+        """The (metric, step) pairs the tracker's run already holds, where it can tell."""
+        return set()
+
+    def send(self, step: int, metrics: dict[str, float], wall_time: float | None) -> None:
+        raise NotImplementedError
+
+    def close(self, status: str, artifacts: list[Path], summary: dict[str, Any]) -> None:
+        """``status``: finished, stopped or failed; ``artifacts``: files to attach (those that exist)."""
+
+
+def metrics_of(record: dict[str, Any]) -> dict[str, float]:
+    """A metrics.jsonl record as flat numbers: nested figures joined with '/'
+    (``data_s/max``, ``memory_mb/peak_rss_mb/max``), skipped steps counted."""
+    flat: dict[str, float] = {}
+
+    def add(prefix: str, value: Any) -> None:
+        if isinstance(value, bool) or value is None:
+            return
+        if isinstance(value, (int, float)):
+            flat[prefix] = float(value)
+        elif isinstance(value, dict):
+            for key, inner in value.items():
+                add(f"{prefix}/{key}", inner)
+
+    for key, value in record.items():
+        if key == "skipped_steps":
+            flat[key] = float(len(value))
+        elif key not in PLACES:
+            add(key, value)
+    return flat
+
+
+def params_of(config: dict[str, Any]) -> dict[str, str]:
+    """config.json's settings as the text parameters trackers keep."""
+    return {key: str(value) for key, value in sorted(config.items())}
+
+
+class TrackerState:
+    """``RUN_DIR/trackers.json``: per tracker, its run's ids and the last step it took."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / STATE_FILE
+        try:
+            self.saved: dict[str, dict[str, Any]] = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.saved = {}
+
+    def of(self, name: str) -> dict[str, Any]:
+        return dict(self.saved.get(name, {}))
+
+    def update(self, name: str, **values: Any) -> None:
+        self.saved.setdefault(name, {}).update(values)
+        tmp = self.path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.saved, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, self.path)  # whole or not at all: a kill leaves the previous file
+
+
+class Delivery:
+    """What one tracker has taken: pairs it holds and the step it took last; sends the rest."""
+
+    def __init__(self, tracker: Tracker, state: TrackerState) -> None:
+        self.tracker, self.state = tracker, state
+        self.held: set[tuple[str, int]] = set()
+        self.through = -1
+        self.sent = 0
+
+    def open(self, run_dir: Path, params: dict[str, str]) -> None:
+        saved = self.state.of(self.tracker.name)
+        kept = self.tracker.open(run_dir, params, saved)
+        continued = kept.get("id") == saved.get("id")
+        self.through = int(saved.get("through_step", -1)) if continued and not self.tracker.tells_held else -1
+        self.held = self.tracker.held()
+        self.state.update(self.tracker.name, **kept, through_step=self.through)
+
+    def deliver(self, record: dict[str, Any]) -> None:
+        step = int(record["step"])
+        metrics = {k: v for k, v in metrics_of(record).items()
+                   if step > self.through and (k, step) not in self.held}
+        if not metrics:
+            return
+        self.tracker.send(step, metrics, record.get("time"))
+        self.held.update((k, step) for k in metrics)
+        self.sent += len(metrics)
+        if step > self.through:
+            self.through = step
+            self.state.update(self.tracker.name, through_step=step)
+
+
+class Tracking:
+    """Rank 0's trackers, driven by one daemon thread through a queue: ``begin``, ``log`` and
+    ``end`` return at once (``end`` waits a bounded time for what is queued)."""
+
+    def __init__(self, trackers: list[Tracker], run_dir: Path, sync_hint: str = "") -> None:
+        self.run_dir = Path(run_dir)
+        self.state = TrackerState(self.run_dir)
+        self.live = [Delivery(t, self.state) for t in trackers]
+        self.queue: queue.Queue[tuple[Callable[[Delivery], None], str] | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._work, name="ddptrain-trackers", daemon=True)
+        self.thread.start()
+
+    def begin(self, config: dict[str, Any]) -> None:
+        self.queue.put((lambda d: d.open(self.run_dir, params_of(config)), "starting its run"))
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.queue.put((lambda d: d.deliver(record), f"sending step {record['step']}"))
+
+    def end(self, status: str, artifacts: Iterable[Path] = (), summary: dict[str, Any] | None = None,
+            wait_s: float = 60.0) -> None:
+        """Close every tracker's run; past ``wait_s`` (a server that hangs), say so and go on."""
+        files = [Path(p) for p in artifacts if Path(p).is_file()]
+        self.queue.put((lambda d: d.tracker.close(status, files, summary or {}), "closing its run"))
+        self.queue.put(None)
+        self.thread.join(wait_s)
+        if self.thread.is_alive():
+            names = ", ".join(d.tracker.name for d in self.live)
+            warn(f"trackers ({names}) still busy after {wait_s:g} s; not waiting for them "
+                 f"(`ddptrain report {self.run_dir} --sync NAME` sends what they missed)")
+
+    def _work(self) -> None:
+        while (job := self.queue.get()) is not None:
+            action, what = job
+            for delivery in list(self.live):
+                try:
+                    action(delivery)
+                except Exception as error:  # noqa: BLE001 - any failure of a tracker: drop it, train on
+                    self.live.remove(delivery)
+                    name = delivery.tracker.name
+                    warn(f"tracker {name} failed {what} ({one_line(error)}); training goes on without it; "
+                         f"metrics.jsonl has every record: `ddptrain report {self.run_dir} --sync {name}` "
+                         "sends what it missed")
+
+
+def one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or "no message"
+    return f"{type(error).__name__}: {text[:200]}{'...' if len(text) > 200 else ''}"
+
+
+def warn(message: str) -> None:
+    say(f"ddptrain: warning: {message}", sys.stderr)
+
+
+def sync(tracker: Tracker, run_dir: Path, records: list[dict[str, Any]], config: dict[str, Any],
+         artifacts: Iterable[Path], summary: dict[str, Any]) -> tuple[int, int]:
+    """Send a run's records to ``tracker`` now, each (metric, step) at most once: (values sent,
+    values it already held). Failures raise ConfigError (the command's one line)."""
+    delivery = Delivery(tracker, TrackerState(run_dir))
+    try:
+        delivery.open(run_dir, params_of(config))
+        for record in records:
+            delivery.deliver(record)
+        tracker.close("finished", [Path(p) for p in artifacts if Path(p).is_file()], summary)
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001 - one line for the command, whatever the client raised
+        raise ConfigError(f"--sync {tracker.name}: {one_line(error)}; check that the tracker is reachable "
+                          "and run the command again") from None
+    total = sum(len(metrics_of(r)) for r in records)
+    return delivery.sent, total - delivery.sent

@@ -1,0 +1,89 @@
+"""Experiment trackers against real ones: an MLflow tracking server on loopback (killed for
+real), W&B offline read back with wandb's own reader, TensorBoard's and the CSV file."""
+
+import json
+
+import pytest
+
+from ddptrain import TrainingFailed
+from ddptrain.snapshots import files
+from helpers.commands import assert_ok, clean_env, ddptrain_cli, fit, read_metrics
+
+pytestmark = pytest.mark.slow
+TASK = "tracker_tasks:"
+ARGS = {"max_epochs": 3, "momentum": 0.9, "save_every": 32, "tracker": "mlflow"}
+EPOCH_ENDS = [32, 64, 96]  # the regression task on 2 ranks: 32 steps per epoch
+
+
+def _env(server, tmp_path, experiment, **more):
+    return {"MLFLOW_TRACKING_URI": server.uri, "MLFLOW_EXPERIMENT_NAME": experiment,
+            "MARKER": str(tmp_path / "marker"), "TRACKER": "mlflow", **more}
+
+
+def _only_run(server, experiment):
+    client = server.client()
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    return runs[0]
+
+
+def _assert_each_epoch_once(server, run, run_dir):
+    epochs = [r for r in read_metrics(run_dir) if r["kind"] == "epoch"]
+    assert server.history(run.info.run_id, "train_loss") == [(r["step"], r["train_loss"]) for r in epochs]
+    assert [s for s, _ in server.history(run.info.run_id, "samples_per_s")] == EPOCH_ENDS
+
+
+def test_mlflow_run_killed_and_resumed_is_one_run_with_each_step_once(mlflow_server, tmp_path, capfd):
+    run_dir = tmp_path / "run"
+    env = _env(mlflow_server, tmp_path, "killed", AT_STEP="80", TRACKED_STEP="64")
+    with pytest.raises(TrainingFailed):  # rank 0 SIGKILLed in epoch 2, once MLflow has epoch 1's step
+        fit(TASK + "killed_once_tracked", run_dir, env=env, **ARGS)
+    *_, previous, newest = files.list_snapshots(run_dir / "snapshots")
+    newest.write_bytes(newest.read_bytes()[:1000])  # resume from step 32: epoch 1 runs, and logs, again
+    fit(TASK + "killed_once_tracked", run_dir, env=env, **ARGS)  # the same command
+    assert f"resumed from {previous}" in capfd.readouterr().out
+    run = _only_run(mlflow_server, "killed")
+    _assert_each_epoch_once(mlflow_server, run, run_dir)
+    assert run.info.status == "FINISHED"
+    config = json.loads((run_dir / "config.json").read_text())
+    assert run.data.params["lr"] == str(config["lr"]) and run.data.params["tracker"] == "mlflow"
+    artifacts = {a.path for a in mlflow_server.client().list_artifacts(run.info.run_id)}
+    assert {"config.json", "summary.json"} <= artifacts
+    assert json.loads((run_dir / "trackers.json").read_text())["mlflow"]["id"] == run.info.run_id
+
+
+def test_mlflow_server_dying_mid_run_costs_one_warning_and_sync_sends_the_rest(mlflow_server, tmp_path, capfd):
+    server, run_dir = mlflow_server, tmp_path / "run"
+    env = _env(server, tmp_path, "down", AT_STEP="40", TRACKED_STEP="32", SERVER_PGID=str(server.process.pid))
+    fit(TASK + "server_dies_once_tracked", run_dir, env=env, **ARGS)  # returns: training went on
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if "mlflow" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("ddptrain: warning: tracker mlflow failed"), err
+    assert f"ddptrain report {run_dir} --sync mlflow" in warnings[0]
+    assert (run_dir / "model.pt").is_file() and len(read_metrics(run_dir)) == 3
+
+    server.start()  # the same server, port and database, back again
+    command_env = clean_env(MLFLOW_TRACKING_URI=server.uri)
+    synced = ddptrain_cli("report", str(run_dir), "--sync", "mlflow", env=command_env)
+    assert_ok(synced)
+    run = _only_run(server, "down")
+    _assert_each_epoch_once(server, run, run_dir)
+    again = ddptrain_cli("report", str(run_dir), "--sync", "mlflow", env=command_env)
+    assert "mlflow: sent 0 value(s)" in again.stdout, again.stdout + again.stderr
+    _assert_each_epoch_once(server, run, run_dir)
+
+
+def test_unknown_tracker_and_sync_of_a_server_that_is_down_are_one_line_errors(tmp_path):
+    result = ddptrain_cli("train", "--tracker", "mlflow,neptune", "--run-dir", str(tmp_path / "r"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("ddptrain: error: --tracker neptune: unknown tracker; choose from csv, "
+                                     "tensorboard, mlflow, wandb (comma-separated for several)")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    record = {"kind": "epoch", "epoch": 0, "step": 3, "train_loss": 1.0}
+    (run_dir / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    down = clean_env(MLFLOW_TRACKING_URI="http://127.0.0.1:9", MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
+    result = ddptrain_cli("report", str(run_dir), "--sync", "mlflow", env=down)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith("ddptrain: error: --sync mlflow: ") and "reachable" in result.stderr
