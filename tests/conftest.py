@@ -68,3 +68,13 @@ def mlflow_server(tmp_path_factory):
     yield server
     server.kill()
 
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One real S3-protocol server (moto) on loopback for the session (each test its own bucket)."""
+    from helpers.s3_server import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    yield server
+    server.kill()

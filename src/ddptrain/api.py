@@ -21,6 +21,7 @@ from .config import (
     validate,
 )
 from .errors import ConfigError, Stopped, TrainingFailed  # noqa: F401 - ddptrain.api's names too
+from .storage import local_dir, remote_of
 
 if TYPE_CHECKING:  # torch is imported only once the settings are known to be good
     from .launch.rank import Outcome
@@ -71,7 +72,10 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
     env = detect(local_rank_arg=local_rank_arg)
     env.validate()
     cfg = cfg.with_run_dir()
-    make_run_dir(cfg.run_dir)  # type: ignore[arg-type]
+    remote = remote_of(cfg.run_dir)
+    if remote is not None:
+        remote.check()  # credentials and bucket: one line, before any rank starts
+    make_run_dir(str(local_dir(cfg.run_dir)))  # type: ignore[arg-type]
     if cfg.resume not in ("auto", "never"):
         from .snapshots.restore import check_resume_path
         check_resume_path(cfg.resume)
@@ -92,7 +96,7 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
 
         say(f"ddptrain: a Kubeflow PyTorchJob pod (RANK={pod} of WORLD_SIZE={env.pods} pods): node {pod}, "
             f"{nproc} rank(s) here, {nproc * env.pods} in all, meeting at {env.master_addr}:{env.master_port}")
-    hold = RunDirHold(cfg.run_dir, new_job_id()).acquire() if pod == 0 else None  # type: ignore[arg-type]
+    hold = RunDirHold(local_dir(cfg.run_dir), new_job_id(), remote).acquire() if pod == 0 else None  # type: ignore[arg-type]
     try:
         return launch_local(cfg, nproc, device_kind, factory, env), pod * nproc
     finally:
@@ -135,8 +139,6 @@ def fit(task: str | TaskFactory, *, config: str | None = None, **options: Any) -
 
 def summary_of(cfg: RunConfig) -> dict[str, Any]:
     """The finished run's summary (read from its metrics.jsonl)."""
-    from pathlib import Path
-
     from .observe.report import summarize
 
-    return summarize(Path(cfg.with_run_dir().run_dir))  # type: ignore[arg-type]
+    return summarize(local_dir(cfg.with_run_dir().run_dir))  # type: ignore[arg-type]

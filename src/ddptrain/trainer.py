@@ -14,7 +14,6 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,6 +43,7 @@ from .resilience.stop_signals import StopSignal
 from .snapshots.checkpointer import Checkpointer, OneTable
 from .snapshots.files import atomic_save
 from .snapshots.restore import Snapshot, restore_point, resumed_config
+from .storage import local_dir, remote_of
 from .tasks.protocol import Task, check_pair, check_task, split_loss
 
 LOSS_DISPLAY_EVERY = 20  # steps between progress-bar loss reads (each read syncs the device)
@@ -85,7 +85,8 @@ class Trainer:
         self.task, self.ctx, self.device = task, ctx, ctx.device
         cfg = cfg.with_task_defaults(task.defaults)  # lr, optimizer, ... the user left unset
         self.cfg = cfg.with_run_dir()
-        self.run_dir = Path(self.cfg.run_dir)
+        self.run_dir = local_dir(self.cfg.run_dir)  # a run dir on a store: this machine's mirror of it
+        self.remote = remote_of(self.cfg.run_dir)
         self.watchdog = ctx.watchdog
         self.strategy = make_strategy(cfg, ctx)
         self.module = task.model  # unwrapped: state_dict, evaluation, model.pt
@@ -102,11 +103,12 @@ class Trainer:
         self.params = params = list(self.model.parameters())
         self.optimizer = task.make_optimizer(params) if task.make_optimizer else build_optimizer(params, cfg)
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16" and self.device.type == "cuda")
-        self.reporter = Reporter(self.cfg, self.run_dir) if ctx.is_main else NullReporter(self.cfg, self.run_dir)
+        self.reporter = (Reporter(self.cfg, self.run_dir, self.remote) if ctx.is_main
+                         else NullReporter(self.cfg, self.run_dir))
         # Where the run starts decides the batch size (a resume on another world size keeps the
         # snapshot's global batch), and the batch size the data, the epoch and the schedule.
         self.start = restore_point(self.cfg, ctx, self.run_dir, self.module, self.optimizer, self.strategy,
-                                   self.watchdog)  # chosen by rank 0, checked by all
+                                   self.watchdog, self.remote)  # chosen by rank 0, checked by all
         self.cfg = resumed_config(self.start, self.cfg, ctx.world_size, self.reporter.info)
         cfg = self.cfg
         self.batches = self._training_batches()
@@ -125,7 +127,7 @@ class Trainer:
                     # one table in the snapshot format: where the run is, the epoch's loss so far, skips
                     "progress": OneTable(self.progress, self.losses, self.guard)},
             per_rank={"data": self.batches} if isinstance(self.batches, StreamBatches) else {},
-            start=self.start, group=self.cpu_group)
+            start=self.start, group=self.cpu_group, remote=self.remote)
         self.stop_signal = StopSignal(self.cpu_group, self.checkpointer.due_by_time if ctx.is_main else None,
                                       self.watchdog)
         self.timings = RankTimings(params)
@@ -486,6 +488,8 @@ class Trainer:
         weights = self.strategy.full_model_state(self.module)  # every rank helps under fsdp
         if weights is not None:
             atomic_save(weights, self.run_dir / "model.pt")
+            if self.remote is not None:
+                self.remote.put(self.run_dir / "model.pt", "model.pt")
         with self.watchdog.waiting("the end: waiting for model.pt"):
             dist.barrier()  # model.pt is complete before any rank reports success
         self.reporter.finish()

@@ -17,7 +17,6 @@ import signal
 import socket
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -29,6 +28,7 @@ from ..config import RunConfig
 from ..errors import ConfigError, LaunchFailed
 from ..resilience.failures import failure_report
 from ..resilience.stop_signals import restore_handlers
+from ..storage import local_dir
 from ..tasks.protocol import TaskFactory
 from .environments import LocalEnvironment, PyTorchJobPod
 from .group import cuda_count
@@ -103,7 +103,7 @@ def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFact
     """Run ``nproc`` ranks on this machine; rank 0's outcome, or LaunchFailed / ConfigError.
     ``env``: a PyTorchJob pod is one node of several, meeting at the master pod's address."""
     env = env or LocalEnvironment()
-    run_dir = Path(cfg.run_dir)
+    run_dir = local_dir(cfg.run_dir)  # a remote run dir: its local mirror (logs stay on this machine)
     if isinstance(env, PyTorchJobPod):
         nodes, addr, port = env.pods, env.master_addr, env.master_port
         run_id, local_addr = f"ddptrain-{addr}-{port}", env.own_address()

@@ -35,6 +35,7 @@ from ..resilience.failures import hard_exit, record_error
 from ..resilience.hold import RunDirHold, job_id
 from ..resilience.stop_signals import PREEMPTED_EXIT_CODE
 from ..resilience.watchdog import NullWatchdog, Watchdog
+from ..storage import RemoteDir, local_dir, remote_of
 from ..tasks.protocol import TaskFactory
 from ..trainer import Trainer
 from .environments import detect
@@ -154,7 +155,7 @@ def run_rank_or_leave(cfg: RunConfig, factory: TaskFactory | None = None,
 def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg: int | None = None) -> Outcome:
     env = detect(local_rank_arg=local_rank_arg)
     show_warnings_with_rank(env.rank)
-    run_dir = Path(cfg.run_dir)  # resolved by the caller (api.execute)
+    run_dir = local_dir(cfg.run_dir)  # resolved by the caller (api.execute); a remote one's local mirror
     device_kind, backend = resolve_device_kind(cfg.device, cfg.backend, env.local_world_size)
     store = connect_store(env, cfg.timeout)
     global _watchdog
@@ -164,7 +165,7 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
         watchdog = NullWatchdog()
     try:
         watchdog.phase("start-up: taking the run dir (one job per run dir)")
-        hold_run_dir(env.rank, run_dir, store)  # before this job touches anything in it
+        hold_run_dir(env.rank, run_dir, store, remote_of(cfg.run_dir))  # before this job touches anything in it
         write_pid_file(run_dir, env.rank)
         watchdog.phase("start-up: building the task")
         task = tasks.build(cfg, factory)
@@ -192,7 +193,7 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
     return status, outcome_message(status, cfg)
 
 
-def hold_run_dir(rank: int, run_dir: Path, store: Any) -> None:
+def hold_run_dir(rank: int, run_dir: Path, store: Any, remote: RemoteDir | None = None) -> None:
     """Under torchrun or srun, rank 0 holds the run dir for the whole job and tells the other
     ranks (through the store) whether it could; ddptrain's own launcher already holds it."""
     global _hold
@@ -201,7 +202,7 @@ def hold_run_dir(rank: int, run_dir: Path, store: Any) -> None:
     key = f"ddptrain/hold/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if rank == 0:
         try:
-            _hold = RunDirHold(run_dir, job_id()).acquire()
+            _hold = RunDirHold(run_dir, job_id(), remote).acquire()
         except ConfigError as refused:
             store.set(key, str(refused))
             raise
@@ -217,10 +218,12 @@ def outcome_message(status: str, cfg: RunConfig) -> str:
         return (f"stopped by a signal at a step boundary; snapshot saved in {cfg.run_dir}/snapshots; "
                 "run the same command to resume")
     if status == "already_finished":
-        model = Path(cfg.run_dir or "") / "model.pt"
+        remote = remote_of(cfg.run_dir)
+        model = str(cfg.run_dir).rstrip("/") + "/model.pt"
+        saved = remote.exists("model.pt") if remote is not None else Path(model).exists()
         length, flag = ((f"{cfg.max_steps} step(s)", "--max-steps") if cfg.max_steps is not None and
                         (cfg.max_epochs is None) else (f"{cfg.epochs:g} epoch(s)", "--max-epochs"))
-        done = (f"already finished {length}; its model is {model}" if model.exists() else
+        done = (f"already finished {length}; its model is {model}" if saved else
                 f"was stopped past {length}, before writing model.pt")
         return (f"{cfg.run_dir} holds a run that {done}. To train it longer, pass a larger {flag}; "
                 "to train afresh, pass --resume never or another --run-dir")

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..config import RunConfig
 from ..console import say
+from ..storage import RemoteDir
 from .tracking import Tracking
 
 
@@ -36,8 +37,9 @@ def _fmt(value: Any) -> str:
 class Reporter:
     """Rank 0's reporting: console lines, progress bar, metrics.jsonl, TensorBoard, the summary."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
-        self.cfg, self.run_dir = cfg, Path(run_dir)
+    def __init__(self, cfg: RunConfig, run_dir: Path, remote: RemoteDir | None = None) -> None:
+        """``remote``: the run dir on a store (``run_dir`` its local mirror): the run's files go up too."""
+        self.cfg, self.run_dir, self.remote = cfg, Path(run_dir), remote
         self.bar: Any = None
         self.tracking: Tracking | None = None
 
@@ -51,6 +53,7 @@ class Reporter:
             # A partial epoch's record ended an earlier run (--max-steps); the epoch goes on now.
             kept = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= resumed_step and not r.get("partial")]
             (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._upload("config.json", "metrics.jsonl")
         if cfg.trackers():
             from .trackers import make_trackers
 
@@ -96,6 +99,14 @@ class Reporter:
         self.info(console_line(record))
         if self.tracking is not None:
             self.tracking.log(record)
+        self._upload("metrics.jsonl", "trackers.json", "metrics.csv")
+
+    def _upload(self, *names: str) -> None:
+        """A run dir on a store: these files as they are now (each a whole object)."""
+        if self.remote is not None:
+            for name in names:
+                if (self.run_dir / name).is_file():
+                    self.remote.put(self.run_dir / name, name)
 
     def finish(self) -> None:
         summary = summarize(self.run_dir)
@@ -111,6 +122,8 @@ class Reporter:
             files = [self.run_dir / name for name in ("config.json", "curves.png")]
             tracking.end(status, files if status == "finished" else [], summary,
                          wait_s=60.0 if status == "finished" else 5.0)
+        if status != "failed":  # (a failure may be the store's: do not raise another one over it)
+            self._upload("curves.png", "trackers.json", "metrics.csv")
 
 
 class NullReporter(Reporter):

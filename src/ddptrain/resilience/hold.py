@@ -16,6 +16,10 @@ heartbeat), and keeps it until it ends:
   is stale.
 - A second job on a held folder stops with one line naming the holder (ConfigError, exit 2)
   and touches nothing.
+- A run dir on object storage (storage.py) is held twice: its local mirror as above, and the
+  store's ``.hold`` object, by heartbeat alone (no locks there). A store without conditional
+  writes leaves a race between two jobs starting in the same second: after writing its
+  record, the job reads it back a moment later and gives way if another job's record won.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..storage import RemoteDir
 
 HOLD_FILE = ".hold"
 HEARTBEAT_S = 10.0
@@ -52,9 +57,11 @@ def job_id(environ: os._Environ[str] | dict[str, str] = os.environ) -> str:
 class RunDirHold:
     """This job's hold on ``run_dir`` (``acquire`` ... ``release``)."""
 
-    def __init__(self, run_dir: str | os.PathLike[str], job: str) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], job: str, remote: RemoteDir | None = None) -> None:
+        """``run_dir``: the local folder (a remote run dir's mirror); ``remote``: the run dir on a store."""
         self.path = Path(run_dir) / HOLD_FILE
         self.job = job
+        self.remote = RemoteHold(remote, job) if remote is not None else None
         self.fd: int | None = None
         self.since = time.time()
         self._stop = threading.Event()
@@ -80,6 +87,12 @@ class RunDirHold:
             raise
         self.fd = fd
         self._write()
+        if self.remote is not None:
+            try:
+                self.remote.acquire()
+            except BaseException:
+                self.release()
+                raise
         self._beat = threading.Thread(target=self._heartbeat, name="ddptrain-hold", daemon=True)
         self._beat.start()
         return self
@@ -89,6 +102,8 @@ class RunDirHold:
         self._stop.set()
         if self.fd is None:
             return
+        if self.remote is not None:
+            self.remote.release()
         try:
             holder = _read(self.fd)
             if holder.get("job") == self.job and holder.get("pid") == os.getpid():
@@ -103,11 +118,7 @@ class RunDirHold:
         return time.time() - float(holder.get("heartbeat", 0)) > STALE_S
 
     def _refusal(self, holder: dict[str, Any]) -> str:
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("since", time.time()))))
-        who = (f"job {holder.get('job', '?')} (host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, "
-               f"since {since})")
-        return (f"run dir {self.path.parent} is in use by {who}; wait for it to end, stop it, or give this job "
-                "another --run-dir")
+        return refusal(str(self.path.parent), holder)
 
     def _write(self) -> None:
         record = {"job": self.job, "host": socket.gethostname(), "pid": os.getpid(), "since": self.since,
@@ -120,8 +131,68 @@ class RunDirHold:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self._write()
+                if self.remote is not None:
+                    self.remote.write()
             except (OSError, AssertionError):
                 return
+
+
+def refusal(run_dir: str, holder: dict[str, Any]) -> str:
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("since", time.time()))))
+    who = (f"job {holder.get('job', '?')} (host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, "
+           f"since {since})")
+    return f"run dir {run_dir} is in use by {who}; wait for it to end, stop it, or give this job another --run-dir"
+
+
+class RemoteHold:
+    """The ``.hold`` object of a run dir on a store: the holder's record, its heartbeat rewritten."""
+
+    SETTLE_S = 1.0  # how long a competing writer may take to overwrite our record
+
+    def __init__(self, remote: RemoteDir, job: str) -> None:
+        self.remote, self.job, self.since = remote, job, time.time()
+
+    def record(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.remote.fs.cat_file(self.remote.path(HOLD_FILE)))
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def acquire(self) -> None:
+        holder = self.record()
+        if holder and holder.get("job") != self.job and not self._stale(holder):
+            raise ConfigError(refusal(self.remote.url, holder))
+        self.write()
+        time.sleep(self.SETTLE_S)
+        holder = self.record()
+        if holder.get("job") != self.job:
+            raise ConfigError(refusal(self.remote.url, holder))
+
+    @staticmethod
+    def _stale(holder: dict[str, Any]) -> bool:
+        """On this host: its process is gone (a SIGKILL leaves the record behind); elsewhere: its
+        heartbeat is older than STALE_S."""
+        if holder.get("host") == socket.gethostname():
+            try:
+                os.kill(int(holder.get("pid", 0)), 0)
+            except ProcessLookupError:
+                return True
+            except (PermissionError, ValueError):
+                return False
+            return False
+        return time.time() - float(holder.get("heartbeat", 0)) > STALE_S
+
+    def write(self) -> None:
+        record = {"job": self.job, "host": socket.gethostname(), "pid": os.getpid(), "since": self.since,
+                  "heartbeat": time.time()}
+        self.remote.fs.pipe_file(self.remote.path(HOLD_FILE), json.dumps(record).encode())
+
+    def release(self) -> None:
+        try:
+            if self.record().get("job") == self.job:
+                self.remote.remove(HOLD_FILE)
+        except OSError:
+            pass  # the store is unreachable: the heartbeat goes stale in STALE_S
 
 
 def _try_lock(fd: int) -> bool:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..comm import CollectiveMarks, DistContext
 from ..config import RunConfig
 from ..errors import StorageNotShared
+from ..storage import MANIFEST, RemoteDir
 from . import dcp as snapshot_dcp
 from . import files
 from .restore import Snapshot
@@ -64,21 +65,22 @@ class Weights(Protocol):
 class Checkpointer:
     def __init__(self, cfg: RunConfig, ctx: DistContext, run_dir: Path, strategy: Any, marks: CollectiveMarks,
                  weights: Weights, states: Mapping[str, Stateful], per_rank: Mapping[str, Stateful] | None = None,
-                 start: Snapshot | None = None, group: Any = None) -> None:
+                 start: Snapshot | None = None, group: Any = None, remote: RemoteDir | None = None) -> None:
         """``per_rank``: states every rank has its own of (a stream's reading position), saved as
         a list by rank and handed back whole on resume; ``start``: the snapshot the run resumes
         from (restore.restore_point), loaded by ``resume``; ``group``: a gloo group for the
-        random and per-rank states (None: the default group)."""
+        random and per-rank states (None: the default group); ``remote``: the run dir on a store
+        (snapshots go there, committed by their manifests)."""
         self.cfg, self.ctx, self.group, self.marks = cfg, ctx, group, marks
         self.weights, self.states, self.start = weights, dict(states), start
         self.per_rank = dict(per_rank or {})
-        self.dir = files.snapshot_dir(run_dir)
+        self.dir, self.remote = files.snapshot_dir(run_dir), remote
         self.sharded = strategy.snapshot_format == "dcp"
         if self.sharded:  # DCP's background writes talk on a group of their own
             with marks.waiting("start-up: creating the snapshot writers' process group"):
-                self.writer: Any = snapshot_dcp.DCPWriter(dist.new_group(backend="gloo"), ctx.is_main)
+                self.writer: Any = snapshot_dcp.DCPWriter(dist.new_group(backend="gloo"), ctx.is_main, remote)
         else:
-            self.writer = files.SnapshotWriter() if ctx.is_main else None
+            self.writer = files.SnapshotWriter(remote) if ctx.is_main else None
         # The newest snapshot's global step (-1: none yet); a resumed one may lie outside our folder.
         self.saved_step = self.resumed_step = start.global_step if start is not None else -1
         self.last_saved_at = time.perf_counter()
@@ -178,7 +180,10 @@ class Checkpointer:
         self._check_visible(self.saved_step)
 
     def newest_path(self) -> str | None:
-        return str(self.dir / files.snapshot_name(self.saved_step, self.sharded)) if self.saved_step >= 0 else None
+        if self.saved_step < 0:
+            return None
+        name = files.snapshot_name(self.saved_step, self.sharded)
+        return self.remote.url_of(f"snapshots/{name}") if self.remote is not None else str(self.dir / name)
 
     def close(self, wait: bool = True) -> None:
         if self.writer is not None:
@@ -187,6 +192,11 @@ class Checkpointer:
     def _check_visible(self, step: int) -> None:
         if step < 0 or step == self.resumed_step:
             return
-        path = self.dir / files.snapshot_name(step, self.sharded)
+        name = files.snapshot_name(step, self.sharded)
+        if self.remote is not None:  # every rank sees the store; the manifest says it is committed
+            if not self.remote.exists(f"snapshots/{name}{MANIFEST}"):
+                raise StorageNotShared(self.ctx.rank, self.remote.url_of(f"snapshots/{name}"))
+            return
+        path = self.dir / name
         if not path.exists():
             raise StorageNotShared(self.ctx.rank, path)

@@ -6,7 +6,9 @@ A snapshot counts only once complete: it is written as ``snapshots/.step-N.parti
 every rank's shard and DCP's metadata are on disk, rank 0 adds ``meta.pt`` (progress,
 schedule, RNG states, ...) and renames the folder to ``snapshots/step-N/``. Only then are
 older snapshots removed. A ``.partial`` folder (a writer killed mid-way) is never loaded:
-it is named in a warning and removed.
+it is named in a warning and removed. For a run dir on a store (storage.py), every rank writes
+its shards straight there with torch's fsspec writer, and rank 0 commits the folder by
+writing ``meta.pt``, then the manifest.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from ..storage import RemoteDir
 from . import files
 
 META = "meta.pt"
@@ -34,6 +37,19 @@ def remove_partials(directory: Path) -> None:
     for partial in sorted(directory.glob(".step-*.partial")) if directory.is_dir() else []:
         warnings.warn(f"snapshot {partial} was never completed (its writer stopped); removing it", stacklevel=2)
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def commit_remote(future: Future[Any], meta: dict[str, Any], remote: RemoteDir, name: str, keep: int) -> str:
+    """Rank 0, for a run dir on a store: DCP's files, then ``meta.pt``, then the manifest."""
+    import io
+
+    future.result()
+    buffer = io.BytesIO()
+    torch.save(meta, buffer)
+    remote.fs.pipe_file(remote.path(f"snapshots/{name}/{META}"), buffer.getvalue())
+    remote.commit(name)
+    remote.rotate(keep)
+    return remote.url_of(f"snapshots/{name}")
 
 
 def commit(future: Future[Any], meta: dict[str, Any], partial: Path, final: Path, keep: int) -> Path:
@@ -51,18 +67,33 @@ def commit(future: Future[Any], meta: dict[str, Any], partial: Path, final: Path
 class DCPWriter(files.BackgroundWrite):
     """Every rank: an asynchronous DCP save per snapshot; rank 0 also commits it."""
 
-    def __init__(self, group: Any, is_main: bool) -> None:
-        self.group, self.is_main = group, is_main
+    def __init__(self, group: Any, is_main: bool, remote: RemoteDir | None = None) -> None:
+        self.group, self.is_main, self.remote = group, is_main, remote
         self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-dcp") if is_main else None
 
     def submit(self, shards: dict[str, Any], meta: dict[str, Any] | None, directory: Path, step: int,
                keep: int) -> None:
         self.wait()
+        if self.remote is not None:
+            self._submit_remote(shards, meta, step, keep)
+            return
         partial = partial_folder(directory, step)
         saved = dcp.async_save(shards, checkpoint_id=partial, process_group=self.group)
         if self.committer is not None:
             final = directory / files.snapshot_name(step, folder=True)
             self.pending = self.committer.submit(commit, saved, meta or {}, partial, final, keep)
+        else:
+            self.pending = saved
+
+    def _submit_remote(self, shards: dict[str, Any], meta: dict[str, Any] | None, step: int, keep: int) -> None:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # torch 2.4+: not exported
+
+        assert self.remote is not None
+        name = files.snapshot_name(step, folder=True)
+        writer = FsspecWriter(self.remote.url_of(f"snapshots/{name}"))
+        saved = dcp.async_save(shards, storage_writer=writer, process_group=self.group)
+        if self.committer is not None:
+            self.pending = self.committer.submit(commit_remote, saved, meta or {}, self.remote, name, keep)
         else:
             self.pending = saved
 

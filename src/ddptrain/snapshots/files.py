@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import SnapshotError
+from ..storage import RemoteDir
 
 FORMAT_VERSION = 2
 _NAME = re.compile(r"^step-(\d{9})(\.pt)?$")  # a file (one rank wrote it) or a DCP folder (sharded)
@@ -120,14 +121,22 @@ class BackgroundWrite:
 
 
 class SnapshotWriter(BackgroundWrite):
-    """One background thread that commits snapshot files in order."""
+    """One background thread that commits snapshot files in order (and, for a run dir on a
+    store, uploads each and commits it there: ``remote``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, remote: RemoteDir | None = None) -> None:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-snapshot")
+        self.remote = remote
 
     def submit(self, state: dict[str, Any], directory: Path, keep: int) -> None:
         self.wait()
-        self.pending = self.pool.submit(write_snapshot, state, directory, keep)
+        self.pending = self.pool.submit(self._write, state, directory, keep)
+
+    def _write(self, state: dict[str, Any], directory: Path, keep: int) -> Path:
+        path = write_snapshot(state, directory, keep)
+        if self.remote is not None:
+            self.remote.push_snapshot(path, keep)
+        return path
 
     def close(self, wait: bool = True) -> None:
         """Finish the write in flight (``wait``), or leave it to the process's end (after a

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,12 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from ..comm import CollectiveMarks, DistContext, broadcast_object
 from ..config import RunConfig
 from ..console import say
 from ..errors import ConfigError, StorageNotShared
+from ..storage import RemoteDir
 from . import dcp as snapshot_dcp
 from . import files
 
@@ -49,12 +52,16 @@ class Snapshot:
 
 
 def restore_point(cfg: RunConfig, ctx: DistContext, run_dir: Path, module: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer, strategy: Any, marks: CollectiveMarks) -> Snapshot | None:
-    """Collective: the snapshot every rank resumes from, checked on every rank, or None."""
+                  optimizer: torch.optim.Optimizer, strategy: Any, marks: CollectiveMarks,
+                  remote: RemoteDir | None = None) -> Snapshot | None:
+    """Collective: the snapshot every rank resumes from, checked on every rank, or None.
+    ``remote``: the run dir on a store, of which ``run_dir`` is this machine's mirror."""
     chosen: Snapshot | None = None
     choice: Any = None
+    if remote is not None and cfg.resume != "never":
+        pull(remote, run_dir, ctx, marks)
     if ctx.is_main:
-        choice = _choose(cfg, files.snapshot_dir(run_dir), run_dir)
+        choice = _choose(cfg, files.snapshot_dir(run_dir), run_dir, remote)
         chosen = choice if isinstance(choice, Snapshot) else None
     with marks.waiting("start-up: agreeing on the snapshot to resume"):
         choice = broadcast_object(str(choice.path) if isinstance(choice, Snapshot) else choice)
@@ -76,7 +83,23 @@ def restore_point(cfg: RunConfig, ctx: DistContext, run_dir: Path, module: torch
     return snapshot
 
 
-def _choose(cfg: RunConfig, snapshots: Path, run_dir: Path) -> Snapshot | dict[str, str] | None:
+def pull(remote: RemoteDir, run_dir: Path, ctx: DistContext, marks: CollectiveMarks) -> None:
+    """Collective: every machine's mirror gets the store's committed snapshots (each machine's
+    first rank fetches them), rank 0 the run's files. A snapshot without its manifest (an upload
+    cut short) is never loaded: rank 0 names it and removes it from the store."""
+    if ctx.local_rank == 0:
+        cut = remote.pull_snapshots(files.snapshot_dir(run_dir), remove_cut=ctx.is_main)
+        for name in cut if ctx.is_main else []:
+            say(f"ddptrain: snapshot {remote.url_of('snapshots/' + name)} was never committed (no manifest: its "
+                "upload was cut short); removed it", sys.stderr)
+    if ctx.is_main:
+        remote.pull_run_files(run_dir)
+    with marks.waiting("start-up: fetching the run's snapshots from its store"):
+        dist.barrier()
+
+
+def _choose(cfg: RunConfig, snapshots: Path, run_dir: Path,
+            remote: RemoteDir | None = None) -> Snapshot | dict[str, str] | None:
     """Rank 0: the snapshot, None for a fresh start, or {"error": message}."""
     snapshot_dcp.remove_partials(snapshots)
     try:
@@ -90,8 +113,11 @@ def _choose(cfg: RunConfig, snapshots: Path, run_dir: Path) -> Snapshot | dict[s
         return {"error": str(error)}
     if found is None:
         moved = move_aside(run_dir)
+        if remote is not None:
+            moved = remote.move_aside(time.strftime("%Y%m%d-%H%M%S"))
         if moved is not None:
-            say(f"ddptrain: a fresh start in {run_dir}: moved the earlier run's files to {moved}")
+            where = remote.url if remote is not None else run_dir
+            say(f"ddptrain: a fresh start in {where}: moved the earlier run's files to {moved}")
         return None
     return Snapshot(*found)
 

@@ -1,0 +1,202 @@
+"""Run dirs on object storage: ``--run-dir s3://bucket/prefix`` (or ``gs://``, ``az://``: fsspec).
+
+A remote run dir has a local mirror on every machine, ``local_dir(url)`` (under
+``DDPTRAIN_CACHE``, default ``~/.cache/ddptrain``): the rest of ddptrain works on that folder
+as on any run dir. What is this machine's alone stays there (the launcher's logs, pids, hang
+stacks, traces); what makes the run is copied up as it is written (snapshots, metrics.jsonl,
+config.json, model.pt, the trackers' files) and down when a run starts (``RemoteDir.pull``),
+so the same command on any machine resumes where the run stopped.
+
+Object stores have no atomic rename, so a snapshot is committed by its manifest
+(``snapshots/<name>.manifest``: every file of it and its size), written after every file:
+a snapshot without one (an upload cut short) is never loaded, and rotation removes the
+manifest before the files. FSDP's DCP folders are written straight to the bucket by torch's
+fsspec writer; one-file snapshots are written locally, then uploaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+MANIFEST = ".manifest"
+_SNAPSHOT = re.compile(r"^step-(\d{9})(\.pt)?$")
+# What makes a run (copied up as written, down at start); the rest of a run dir is the machine's.
+RUN_FILES = ("metrics.jsonl", "config.json", "trackers.json", "metrics.csv")
+
+
+def is_remote(run_dir: str | os.PathLike[str] | None) -> bool:
+    return bool(run_dir) and "://" in str(run_dir) and not str(run_dir).startswith("file://")
+
+
+def local_dir(run_dir: str | os.PathLike[str]) -> Path:
+    """The folder this machine works in: the run dir itself, or a remote one's local mirror."""
+    if not is_remote(run_dir):
+        return Path(run_dir)
+    scheme, rest = str(run_dir).split("://", 1)
+    cache = Path(os.environ.get("DDPTRAIN_CACHE") or Path.home() / ".cache" / "ddptrain")
+    readable = re.sub(r"[^A-Za-z0-9_.-]+", "-", rest.strip("/"))[:80]
+    return cache / "runs" / scheme / f"{readable}-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:8]}"
+
+
+def remote_of(run_dir: str | os.PathLike[str] | None) -> RemoteDir | None:
+    return RemoteDir(str(run_dir)) if is_remote(run_dir) else None
+
+
+class RemoteDir:
+    """A run dir on object storage, through fsspec (listings never cached: other machines write too)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self.scheme = url.split("://", 1)[0]
+        self._fs: Any = None
+
+    @property
+    def fs(self) -> Any:
+        if self._fs is None:
+            import fsspec
+
+            try:
+                self._fs = fsspec.filesystem(self.scheme, use_listings_cache=False, skip_instance_cache=True)
+            except ImportError as error:
+                extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}.get(self.scheme)
+                hint = f"pip install 'ddptrain[{extra}]'" if extra else "install the fsspec package for it"
+                raise ConfigError(f"--run-dir {self.url}: {error}; {hint}") from None
+        return self._fs
+
+    def path(self, name: str = "") -> str:
+        """The store's own path of ``name`` (no scheme: fsspec's calls take these)."""
+        root = self.url.split("://", 1)[1]
+        return f"{root}/{name}" if name else root
+
+    def url_of(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    # --- checks ----------------------------------------------------------------------------
+    def check(self) -> None:
+        """Before any rank starts: credentials and bucket, as one line each."""
+        bucket = self.path().split("/", 1)[0]
+        try:
+            self.fs.ls(bucket)
+        except FileNotFoundError:
+            raise ConfigError(f"--run-dir {self.url}: bucket {bucket!r} does not exist (or this endpoint does not "
+                              "have it); create it or give another --run-dir") from None
+        except Exception as error:  # noqa: BLE001 - every client's own credential and permission errors
+            kind = type(error).__name__
+            if "Credential" in kind or isinstance(error, PermissionError):
+                raise ConfigError(f"--run-dir {self.url}: no access ({kind}: {str(error)[:120]}); set the "
+                                  "store's credentials (for S3: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or "
+                                  "AWS_PROFILE; AWS_ENDPOINT_URL for a server of your own)") from None
+            raise ConfigError(f"--run-dir {self.url}: cannot reach it ({kind}: {str(error)[:160]})") from None
+
+    # --- plain files -----------------------------------------------------------------------
+    def exists(self, name: str) -> bool:
+        return bool(self.fs.exists(self.path(name)))
+
+    def put(self, local: Path, name: str) -> None:
+        """One object from a local file (an object appears whole or not at all)."""
+        self.fs.put_file(str(local), self.path(name))
+
+    def get(self, name: str, local: Path) -> bool:
+        """``name`` into ``local`` (written aside, then renamed); False when the store has none."""
+        if not self.exists(name):
+            return False
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.with_name(f".{local.name}.{os.getpid()}.download")
+        self.fs.get_file(self.path(name), str(tmp))
+        os.replace(tmp, local)
+        return True
+
+    def remove(self, name: str) -> None:
+        if self.fs.exists(self.path(name)):
+            self.fs.rm(self.path(name), recursive=True)
+
+    def names(self, folder: str = "") -> list[str]:
+        """The names directly under ``folder`` (files and folders)."""
+        try:
+            entries = self.fs.ls(self.path(folder), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in entries)
+
+    # --- snapshots -------------------------------------------------------------------------
+    def committed(self) -> list[str]:
+        """The committed snapshots' names (``step-N.pt`` files, ``step-N`` DCP folders), oldest first."""
+        names = set(self.names("snapshots"))
+        done = [n for n in names if _SNAPSHOT.match(n) and f"{n}{MANIFEST}" in names]
+        return sorted(done, key=lambda n: int(_SNAPSHOT.match(n).group(1)))  # type: ignore[union-attr]
+
+    def uncommitted(self) -> list[str]:
+        """Snapshots whose upload never finished (no manifest): never loaded."""
+        names = set(self.names("snapshots"))
+        return sorted(n for n in names if _SNAPSHOT.match(n) and f"{n}{MANIFEST}" not in names)
+
+    def commit(self, name: str) -> None:
+        """Write snapshot ``name``'s manifest: every file of it is in the store now."""
+        prefix = self.path(f"snapshots/{name}")
+        if self.fs.isdir(prefix):
+            found = self.fs.find(prefix, detail=True)
+            listing = {path[len(prefix) + 1:]: info["size"] for path, info in found.items()}
+        else:
+            listing = {"": self.fs.info(prefix)["size"]}
+        manifest = {"snapshot": name, "files": listing, "committed_at": time.time()}
+        self.fs.pipe_file(self.path(f"snapshots/{name}{MANIFEST}"), json.dumps(manifest).encode())
+
+    def push_snapshot(self, local: Path, keep: int) -> None:
+        """Upload a local snapshot (file or folder), commit it, then rotate to the newest ``keep``."""
+        name = local.name
+        if local.is_dir():
+            for file in sorted(p for p in local.rglob("*") if p.is_file()):
+                self.put(file, f"snapshots/{name}/{file.relative_to(local)}")
+        else:
+            self.put(local, f"snapshots/{name}")
+        self.commit(name)
+        self.rotate(keep)
+
+    def rotate(self, keep: int) -> None:
+        """Remove all but the newest ``keep`` committed snapshots: the manifest first."""
+        for old in self.committed()[:-keep]:
+            self.remove(f"snapshots/{old}{MANIFEST}")
+            self.remove(f"snapshots/{old}")
+
+    def pull_snapshots(self, local_snapshots: Path, remove_cut: bool = True) -> list[str]:
+        """Make ``local_snapshots`` hold exactly the committed snapshots; ``remove_cut``: remove
+        the uncommitted ones from the store. Returns the uncommitted names."""
+        import shutil
+
+        cut = self.uncommitted()
+        for name in cut if remove_cut else []:
+            self.remove(f"snapshots/{name}")
+        shutil.rmtree(local_snapshots, ignore_errors=True)
+        local_snapshots.mkdir(parents=True)
+        for name in self.committed():
+            manifest = json.loads(self.fs.cat_file(self.path(f"snapshots/{name}{MANIFEST}")))
+            staging = local_snapshots / f".{name}.download"
+            for relative in manifest["files"]:
+                target = staging / relative if relative else staging
+                self.get(f"snapshots/{name}/{relative}" if relative else f"snapshots/{name}", target)
+            os.replace(staging, local_snapshots / name)
+        return cut
+
+    def pull_run_files(self, local: Path) -> None:
+        """The run's own files as the store has them (a file the store lacks goes locally too)."""
+        for name in RUN_FILES:
+            if not self.get(name, local / name):
+                (local / name).unlink(missing_ok=True)
+
+    def move_aside(self, stamp: str) -> str | None:
+        """A fresh start: an earlier run's objects go to ``previous-<stamp>/``; its name, or None."""
+        found = [n for n in self.names() if n in (*RUN_FILES, "snapshots", "model.pt", "curves.png")]
+        if not found:
+            return None
+        target = f"previous-{stamp}"
+        for name in found:
+            self.fs.mv(self.path(name), self.path(f"{target}/{name}"), recursive=True)
+        return self.url_of(target)
