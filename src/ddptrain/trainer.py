@@ -39,6 +39,7 @@ from .optim import ScalerState, SchedulerState, build_optimizer, build_scheduler
 from .parallel import make_strategy
 from .parallel.base import ModelAndOptimizer, convert_sync_batchnorm, kept_buffers
 from .resilience.guard import NonFiniteGuard, local_all_finite
+from .resilience.ray_train import RayReports
 from .resilience.stop_signals import StopSignal
 from .snapshots.checkpointer import Checkpointer, OneTable
 from .snapshots.files import atomic_save
@@ -120,6 +121,7 @@ class Trainer:
         self.losses = EpochLosses(self.device, self.steps_per_epoch or 64, carries=ctx.is_main)
         self.guard = NonFiniteGuard(cfg.skip_nonfinite)
         self.scheduler = self._build_scheduler()
+        self.ray = RayReports(str(self.cfg.run_dir), ctx.is_main)  # inside a Ray Train worker: reports to Ray
         self.checkpointer = Checkpointer(
             cfg, ctx, self.run_dir, self.strategy, self.watchdog,
             weights=ModelAndOptimizer(self.strategy, self.module, self.optimizer),
@@ -127,7 +129,8 @@ class Trainer:
                     # one table in the snapshot format: where the run is, the epoch's loss so far, skips
                     "progress": OneTable(self.progress, self.losses, self.guard)},
             per_rank={"data": self.batches} if isinstance(self.batches, StreamBatches) else {},
-            start=self.start, group=self.cpu_group, remote=self.remote)
+            start=self.start, group=self.cpu_group, remote=self.remote,
+            on_committed=self.ray.committed if self.ray.active else None)
         self.stop_signal = StopSignal(self.cpu_group, self.checkpointer.due_by_time if ctx.is_main else None,
                                       self.watchdog)
         self.timings = RankTimings(params)

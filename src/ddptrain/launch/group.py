@@ -74,12 +74,15 @@ def hosts_store(env: Environment) -> bool:
 
 
 def connect_store(env: Environment, timeout_s: float) -> dist.Store:
-    """The job's store: rank 0 hosts it (or torchrun's agent does); the others connect.
+    """The job's store: rank 0 hosts it (or torchrun's agent does); the others connect. In a
+    process group someone else started (Ray Train's workers: ``init_process_group("env://")``),
+    rank 0's process already serves the store at MASTER_ADDR:MASTER_PORT: every rank connects.
 
     ``wait_for_workers=False``: rank 0 does not block here until every rank has connected,
     so its watchdog runs while a late rank is still starting (and can name it)."""
     timeout = datetime.timedelta(seconds=timeout_s + BACKSTOP_EXTRA_S)
-    return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=hosts_store(env),
+    serve = hosts_store(env) and not dist.is_initialized()
+    return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=serve,
                          timeout=timeout, wait_for_workers=False, multi_tenant=True)
 
 
@@ -99,9 +102,17 @@ def joined(env: Environment, device_kind: str, backend: str, timeout_s: float, s
 
     On success every rank leaves the group. After an error it is left as it is: tearing
     down a group whose peer died can block forever (gloo waits for the peer's half of a
-    pending operation), and a failed rank exits at once anyway (launch/rank.py)."""
+    pending operation), and a failed rank exits at once anyway (launch/rank.py).
+
+    A group that exists already (Ray Train starts its workers' group before the user's
+    function runs) is used as it is, and left to its owner: never initialised or destroyed here."""
     device = init_device(device_kind, env)
     env.export()
+    if dist.is_initialized():
+        check_existing_group(env)
+        yield DistContext(env.rank, env.world_size, env.local_rank, env.local_world_size, device,
+                          dist.get_backend(), watchdog)
+        return
     with watchdog.waiting("start-up: joining the process group"):
         dist.init_process_group(
             backend=backend, store=dist.PrefixStore("default_pg", store), rank=env.rank,
@@ -110,6 +121,15 @@ def joined(env: Environment, device_kind: str, backend: str, timeout_s: float, s
         )
     yield DistContext(env.rank, env.world_size, env.local_rank, env.local_world_size, device, backend, watchdog)
     dist.destroy_process_group()  # not reached after an error: see above
+
+
+def check_existing_group(env: Environment) -> None:
+    """The group this process is already in must be the job the launcher's variables describe."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if (rank, world) != (env.rank, env.world_size):
+        raise ConfigError(f"this process is already in a process group as rank {rank} of {world}, but "
+                          f"{env.rank_var}={env.rank} {env.world_var}={env.world_size} say otherwise; start "
+                          "ddptrain in a group whose ranks match its launcher's variables")
 
 
 @contextmanager

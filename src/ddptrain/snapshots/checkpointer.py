@@ -15,7 +15,7 @@ the time), at the end and on a stop signal. Written in the background: a file by
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -65,12 +65,14 @@ class Weights(Protocol):
 class Checkpointer:
     def __init__(self, cfg: RunConfig, ctx: DistContext, run_dir: Path, strategy: Any, marks: CollectiveMarks,
                  weights: Weights, states: Mapping[str, Stateful], per_rank: Mapping[str, Stateful] | None = None,
-                 start: Snapshot | None = None, group: Any = None, remote: RemoteDir | None = None) -> None:
+                 start: Snapshot | None = None, group: Any = None, remote: RemoteDir | None = None,
+                 on_committed: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         """``per_rank``: states every rank has its own of (a stream's reading position), saved as
         a list by rank and handed back whole on resume; ``start``: the snapshot the run resumes
         from (restore.restore_point), loaded by ``resume``; ``group``: a gloo group for the
         random and per-rank states (None: the default group); ``remote``: the run dir on a store
-        (snapshots go there, committed by their manifests)."""
+        (snapshots go there, committed by their manifests); ``on_committed(location, progress)``:
+        called on every rank once every rank knows a snapshot is committed (Ray Train's reports)."""
         self.cfg, self.ctx, self.group, self.marks = cfg, ctx, group, marks
         self.weights, self.states, self.start = weights, dict(states), start
         self.per_rank = dict(per_rank or {})
@@ -83,6 +85,8 @@ class Checkpointer:
             self.writer = files.SnapshotWriter(remote) if ctx.is_main else None
         # The newest snapshot's global step (-1: none yet); a resumed one may lie outside our folder.
         self.saved_step = self.resumed_step = start.global_step if start is not None else -1
+        self.on_committed, self.announced_step = on_committed, self.saved_step
+        self.saved_progress: dict[str, Any] = {}
         self.last_saved_at = time.perf_counter()
         self.cost_s = 0.0  # the most a snapshot has cost the training path (rank 0)
 
@@ -142,6 +146,7 @@ class Checkpointer:
             rng_states = files.gather_rng_states(self.ctx.world_size, self.group)
         by_rank = self._gather_per_rank(global_step)
         self._check_visible(self.saved_step)
+        self._announce()
         meta = {"format_version": files.FORMAT_VERSION, "world_size": self.ctx.world_size,
                 "batch_size": self.cfg.batch_size,
                 "global_batch": self.cfg.global_batch(self.ctx.world_size),
@@ -154,6 +159,7 @@ class Checkpointer:
         elif self.writer is not None:
             self.writer.submit({**meta, **files.cpu_copy(self.state_dict())}, self.dir, self.cfg.keep)
         self.saved_step = global_step
+        self.saved_progress = dict(self.states["progress"].state_dict()) if "progress" in self.states else {}
         self.last_saved_at = time.perf_counter()
         self.cost_s = max(self.cost_s, self.last_saved_at - started)
 
@@ -178,6 +184,15 @@ class Checkpointer:
         with self.marks.waiting("snapshot: waiting until the newest one is on disk"):
             dist.barrier()
         self._check_visible(self.saved_step)
+        self._announce()
+
+    def _announce(self) -> None:
+        """The newest snapshot is committed and every rank knows it (after the gather in
+        ``save``, or the barrier in ``commit``): tell ``on_committed``, once per snapshot."""
+        if self.on_committed is None or self.saved_step in (-1, self.announced_step):
+            return
+        self.announced_step = self.saved_step
+        self.on_committed(self.newest_path() or "", self.saved_progress)
 
     def newest_path(self) -> str | None:
         if self.saved_step < 0:

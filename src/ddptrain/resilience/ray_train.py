@@ -1,0 +1,59 @@
+"""Ray Train: ``ddptrain.fit()`` inside a ``TorchTrainer``'s worker function.
+
+Ray starts the workers and their process group; ddptrain runs as that rank on it (never
+initialising or destroying it: launch/group.py). Ray restarts the whole group after a worker
+fails (``FailureConfig(max_failures=N)``); the restarted workers call ``fit()`` again and it
+resumes from ddptrain's newest snapshot in the shared run dir, bitwise, as after any restart.
+
+What Ray learns: after each snapshot is committed, every worker calls ``ray.train.report`` with
+where the run is, and rank 0 attaches a small Ray checkpoint (``ddptrain_snapshot.json``: the
+run dir and the snapshot's location), so Ray's result names ddptrain's newest snapshot. The
+weights stay in ddptrain's snapshot (Ray's storage gets the pointer, not a second copy).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+POINTER = "ddptrain_snapshot.json"
+
+
+def ray_train_session() -> Any | None:
+    """``ray.train`` when this process is a Ray Train worker, else None. ddptrain never imports
+    Ray itself: a worker function has imported it already."""
+    if "ray.train" not in sys.modules:
+        return None
+    train = sys.modules["ray.train"]
+    try:
+        train.get_context().get_world_rank()
+    except Exception:  # noqa: BLE001 - outside a worker Ray raises one of several errors
+        return None
+    return train
+
+
+class RayReports:
+    """Tells Ray about each committed snapshot (a no-op outside Ray Train)."""
+
+    def __init__(self, run_dir: str, is_main: bool) -> None:
+        self.train = ray_train_session()
+        self.run_dir, self.is_main = run_dir, is_main
+
+    @property
+    def active(self) -> bool:
+        return self.train is not None
+
+    def committed(self, location: str, progress: dict[str, Any]) -> None:
+        """Every worker, after the same snapshot: ``progress`` (epoch, global_step, ...) as Ray's metrics."""
+        if self.train is None:
+            return
+        metrics = {"epoch": progress.get("epoch"), "global_step": progress.get("global_step"), "snapshot": location}
+        if not self.is_main:
+            self.train.report(metrics)
+            return
+        with tempfile.TemporaryDirectory(prefix="ddptrain-ray-") as folder:
+            (Path(folder) / POINTER).write_text(json.dumps({"run_dir": self.run_dir, **metrics}) + "\n")
+            self.train.report(metrics, checkpoint=self.train.Checkpoint.from_directory(folder))
