@@ -45,9 +45,9 @@ def start():
     started: list[subprocess.Popen] = []
 
     def launch(args: list[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
-        process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   env=env or clean_env(), stdin=subprocess.DEVNULL, start_new_session=True,
-                                   **kwargs)
+        kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kwargs}  # or a log file of the test's
+        process = subprocess.Popen(args, text=True, env=env or clean_env(), stdin=subprocess.DEVNULL,
+                                   start_new_session=True, **kwargs)
         started.append(process)
         return process
 

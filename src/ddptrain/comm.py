@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,6 +20,18 @@ import torch.distributed as dist
 # torch's own collective timeout is a backstop behind the watchdog, which acts at --timeout
 # and names the rank that did not arrive; torch's error would blame the rank that waited.
 BACKSTOP_EXTRA_S = 60.0
+
+
+def round_prefix() -> str:
+    """The prefix of ddptrain's keys in the job's store for this round of the job.
+
+    torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``) outlives a round, and every rank
+    of a round has restarted as often: the restart count names the round. A store that rank 0
+    hosts is new each round, and an elastic job's ranks may count restarts differently (a node
+    that joins later starts at 0: pytorch/pytorch#135712): there the count must not be used."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return f"ddptrain/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    return "ddptrain/"
 
 
 class CollectiveMarks:

@@ -440,3 +440,9 @@ def stream_as_map(cfg) -> Task:
     data = NumberStream(int(os.environ.get("STREAM_SAMPLES", "250")), cfg.seed)
     samples = PlainDataset(TensorDataset(data.inputs, data.targets, torch.arange(len(data.inputs))))
     return _stream_task(cfg, samples)
+
+
+def paced(cfg) -> Task:
+    """The regression task with STEP_SLEEP seconds per step: long enough to change membership mid-run."""
+    pause = float(os.environ.get("STEP_SLEEP", "0.05"))
+    return _on_step(regression_task(cfg), lambda n: time.sleep(pause))

@@ -27,6 +27,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from .. import tasks
+from ..comm import round_prefix
 from ..config import RunConfig
 from ..console import say
 from ..data import is_stream
@@ -199,7 +200,7 @@ def hold_run_dir(rank: int, run_dir: Path, store: Any, remote: RemoteDir | None 
     global _hold
     if os.environ.get("DDPTRAIN_LOCAL_LAUNCH"):
         return
-    key = f"ddptrain/hold/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    key = round_prefix() + "hold"
     if rank == 0:
         try:
             _hold = RunDirHold(run_dir, job_id(), remote).acquire()

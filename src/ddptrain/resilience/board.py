@@ -18,6 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..comm import round_prefix
+
 LINGER_S = 2.0  # the store's host waits this long at most for the other ranks to leave first
 
 
@@ -41,7 +43,7 @@ class Heartbeat:
 class Board:
     def __init__(self, host: str, port: int, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
-        self.prefix = f"ddptrain/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.prefix = round_prefix()
         self.store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=30))
         self.store.set(self._key(f"info/{rank}"), json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         self.left = False

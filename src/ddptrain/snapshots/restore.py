@@ -130,9 +130,9 @@ def resumed_config(start: Snapshot | None, cfg: RunConfig, world_size: int,
         return cfg
     if start.state["world_size"] != world_size:
         batch = adapt_batch(start.state["global_batch"], world_size, cfg.grad_accum)
-        if batch != cfg.batch_size:
-            info(f"resuming a {start.state['world_size']}-rank run on {world_size}: batch size per rank "
-                 f"{batch} keeps the global batch {start.state['global_batch']}")
+        # one line per membership change (an elastic job shrinking or growing says it here)
+        info(f"world size {start.state['world_size']} → {world_size} at step {start.global_step}: batch size "
+             f"per rank {batch} keeps the global batch {start.state['global_batch']}")
         cfg = dataclasses.replace(cfg, batch_size=batch)
     files.check_fingerprint(start.state["fingerprint"], cfg.math_fingerprint(world_size), start.path)
     return cfg
