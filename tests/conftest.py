@@ -62,7 +62,7 @@ def start():
 def mlflow_server(tmp_path_factory):
     """One real MLflow tracking server for the session's tracker tests (each test its own experiment;
     a test may kill it and start it again)."""
-    from helpers.mlflow_server import MlflowServer
+    from helpers.servers import MlflowServer
 
     server = MlflowServer(tmp_path_factory.mktemp("mlflow")).start()
     yield server
@@ -73,7 +73,7 @@ def mlflow_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """One real S3-protocol server (moto) on loopback for the session (each test its own bucket)."""
-    from helpers.s3_server import S3Server
+    from helpers.servers import S3Server
 
     server = S3Server(tmp_path_factory.mktemp("s3")).start()
     yield server

@@ -35,7 +35,7 @@ def _fmt(value: Any) -> str:
 
 
 class Reporter:
-    """Rank 0's reporting: console lines, progress bar, metrics.jsonl, TensorBoard, the summary."""
+    """Rank 0's reporting: console lines, progress bar, metrics.jsonl, the trackers, the summary."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, remote: RemoteDir | None = None) -> None:
         """``remote``: the run dir on a store (``run_dir`` its local mirror): the run's files go up too."""

@@ -131,10 +131,13 @@ class RunDirHold:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self._write()
-                if self.remote is not None:
-                    self.remote.write()
             except (OSError, AssertionError):
                 return
+            if self.remote is not None:
+                try:
+                    self.remote.write()
+                except Exception:  # noqa: BLE001 - a store that is briefly unreachable: beat again later
+                    pass
 
 
 def refusal(run_dir: str, holder: dict[str, Any]) -> str:
