@@ -84,7 +84,7 @@ class RemoteDir:
         """Before any rank starts: credentials and bucket, as one line each."""
         bucket = self.path().split("/", 1)[0]
         try:
-            self.fs.ls(bucket)
+            self.fs.info(bucket)  # one small request, whatever the bucket holds
         except FileNotFoundError:
             raise ConfigError(f"--run-dir {self.url}: bucket {bucket!r} does not exist (or this endpoint does not "
                               "have it); create it or give another --run-dir") from None
@@ -94,7 +94,8 @@ class RemoteDir:
                 raise ConfigError(f"--run-dir {self.url}: no access ({kind}: {str(error)[:120]}); set the "
                                   "store's credentials (for S3: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or "
                                   "AWS_PROFILE; AWS_ENDPOINT_URL for a server of your own)") from None
-            raise ConfigError(f"--run-dir {self.url}: cannot reach it ({kind}: {str(error)[:160]})") from None
+            raise ConfigError(f"--run-dir {self.url}: cannot reach it ({kind}: {str(error)[:160]}); check the "
+                              "endpoint (AWS_ENDPOINT_URL for S3) and the network") from None
 
     # --- plain files -----------------------------------------------------------------------
     def exists(self, name: str) -> bool:

@@ -2,6 +2,7 @@
 never stops training, and a user's own script always exits (no deadlock at interpreter exit).
 Real commands, real signals, a real CPU hog."""
 
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -84,17 +85,19 @@ def test_a_closed_console_drops_output_and_training_goes_on(tmp_path):
 
 @pytest.mark.slow
 def test_the_tutorial_torchrun_script_exits_every_time_beside_a_cpu_hog(tmp_path):
-    """examples/ddp_gpus_torchrun.py (process_group() + Trainer) 6 times on a busy machine:
-    once, in a fresh clone under load, its interpreter exit deadlocked in gloo's teardown.
-    (12 times until the suite outgrew its 12 minutes; every fresh-clone run with a CPU hog
-    beside it adds more.)"""
+    """examples/ddp_gpus_torchrun.py (process_group() + Trainer) 6 times on a busy machine, two
+    jobs at a time beside a CPU hog: once, in a fresh clone under load, its interpreter exit
+    deadlocked in gloo's teardown. (12 runs one at a time until the suite outgrew its 12 minutes.)"""
+    def attempt(number: int) -> subprocess.CompletedProcess[str]:
+        return run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2",
+                    str(REPO / "examples" / "ddp_gpus_torchrun.py"), "--max_epochs", "1",
+                    "--run_dir", str(tmp_path / f"r{number}")], timeout=90)
+
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        for attempt in range(6):
-            result = run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2",
-                          str(REPO / "examples" / "ddp_gpus_torchrun.py"), "--max_epochs", "1",
-                          "--run_dir", str(tmp_path / f"r{attempt}")], timeout=60)
-            assert_ok(result)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            for result in pool.map(attempt, range(6)):
+                assert_ok(result)
     finally:
         hog.kill()
         hog.wait(timeout=10)

@@ -117,7 +117,7 @@ MLFLOW_STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"
 
 
 class MlflowTracker(Tracker):
-    """An MLflow run (``MLFLOW_TRACKING_URI``: a server, or a folder; ``MLFLOW_EXPERIMENT_NAME``,
+    """An MLflow run (``MLFLOW_TRACKING_URI``: a server, or ``sqlite:///PATH``; ``MLFLOW_EXPERIMENT_NAME``,
     default ``ddptrain``). Resumed runs continue it; the server says which steps it holds."""
 
     name, tells_held = "mlflow", True
