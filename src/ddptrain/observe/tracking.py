@@ -135,7 +135,7 @@ class Tracking:
     """Rank 0's trackers, driven by one daemon thread through a queue: ``begin``, ``log`` and
     ``end`` return at once (``end`` waits a bounded time for what is queued)."""
 
-    def __init__(self, trackers: list[Tracker], run_dir: Path, sync_hint: str = "") -> None:
+    def __init__(self, trackers: list[Tracker], run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
         self.state = TrackerState(self.run_dir)
         self.live = [Delivery(t, self.state) for t in trackers]
