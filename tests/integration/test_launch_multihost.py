@@ -131,7 +131,10 @@ def _kill_host(namespace: str) -> None:
     """SIGKILL every process in the namespace, as a host that loses power."""
     listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=30)
     for pid in listed.stdout.split():
-        os.kill(int(pid), signal.SIGKILL)
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:  # it ended between the listing and now
+            pass
 
 
 def _newest_step(run_dir) -> int:
