@@ -60,7 +60,7 @@ class LoopbackServer:
         """SIGKILL, the server and its workers: as a server that dies."""
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+            self.process.wait(timeout=30)
 
 
 class MlflowServer(LoopbackServer):

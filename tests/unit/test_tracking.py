@@ -37,7 +37,7 @@ class Remembering(Tracker):
 
     def send(self, step, metrics, wall_time):
         if self.block is not None:
-            self.block.wait()
+            self.block.wait(timeout=30)  # (set by the test when it is done)
         if step == self.fail_on:
             raise ConnectionError("connection refused\nby the server")
         self.sent.append((step, metrics))
