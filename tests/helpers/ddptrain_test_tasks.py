@@ -294,9 +294,9 @@ def eval_without_samples(cfg) -> Task:
 
 # --- bigger models -------------------------------------------------------------------------------
 def mlp_34m(cfg) -> Task:
-    """The benchmark's ~34M-parameter MLP with AdamW (ddptrain.bench.loops), on 64 samples: 2 steps
+    """The benchmark's ~34M-parameter MLP with AdamW (ddptrain.bench.jobs), on 64 samples: 2 steps
     of 16 per rank, as the peak memory comes with the first optimizer step (AdamW's state)."""
-    from ddptrain.bench.loops import mlp34m_task
+    from ddptrain.bench.jobs import mlp34m_task
 
     task = mlp34m_task(cfg)
     task.train_set = Subset(task.train_set, range(64))
@@ -382,7 +382,7 @@ def ddp_settings(cfg) -> Task:
 
 def bench_via_dataloader(cfg) -> Task:
     """The benchmark's job (DDPTRAIN_BENCH_JOB) through the DataLoader path (benchmarks/gpu_check.sh)."""
-    from ddptrain.bench.loops import bench_task
+    from ddptrain.bench.jobs import bench_task
 
     task = bench_task(cfg)
     task.train_set = PlainDataset(task.train_set)
@@ -396,11 +396,14 @@ def _small_mlp() -> torch.nn.Module:
 
 def uneven(cfg) -> Task:
     """A small MLP on the first UNEVEN_SAMPLES regression samples (the epoch's last global
-    batch is short), SGD lr 0.05: large enough steps that a mis-weighted sample shows."""
+    batch is short), SGD lr 0.05: large enough steps that a mis-weighted sample shows.
+    UNEVEN_STEP_SLEEP: seconds of sleep per step (a run that must last, on a fast machine too)."""
     samples = int(os.environ.get("UNEVEN_SAMPLES", "600"))
     data = regression_task(cfg).train_set
-    return Task(model=_small_mlp(), train_set=TensorDataset(*(t[:samples] for t in data.tensors)),
+    task = Task(model=_small_mlp(), train_set=TensorDataset(*(t[:samples] for t in data.tensors)),
                 loss_fn=F.mse_loss, defaults={"lr": 0.05, "optimizer": "sgd"})
+    pause = float(os.environ.get("UNEVEN_STEP_SLEEP", "0"))
+    return _on_step(task, lambda n: time.sleep(pause)) if pause else task
 
 
 def batchnorm(cfg) -> Task:

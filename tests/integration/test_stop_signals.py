@@ -14,8 +14,10 @@ import pytest
 from helpers.commands import BIN, REPO, assert_ok, assert_same_weights, clean_env, finish, load_model, read_metrics, run
 
 EPOCHS = 400
-# 32 samples, 2 ranks x 16: one step per epoch, so a stop lands at an epoch's last step too.
-ENV = {"UNEVEN_SAMPLES": "32"}
+# 32 samples, 2 ranks x 16: one step per epoch, so a stop lands at an epoch's last step too. 8 ms
+# per step: the job lasts some 4 s, so it is still training when the stop, sent after 20 epochs,
+# is agreed (within about 2 s; on a fast machine the job used to end first).
+ENV = {"UNEVEN_SAMPLES": "32", "UNEVEN_STEP_SLEEP": "0.008"}
 COMMAND = [str(BIN / "ddptrain"), "train", "--task", "ddptrain_test_tasks:uneven", "--batch-size", "16",
            "--momentum", "0.9", "--max-epochs", str(EPOCHS), "--nproc", "2"]
 SCRIPT = f"""
