@@ -76,13 +76,15 @@ def test_activation_checkpointing_recomputes_without_changing_the_math(runs, tmp
 
 
 @pytest.mark.slow
-def test_fsdp_peak_memory_is_at_most_0_7_of_ddp_on_a_34m_parameter_mlp(tmp_path):
+def test_fsdp_with_lean_cpu_memory_peaks_at_most_0_7_of_ddp_on_a_34m_parameter_mlp(tmp_path):
     """Real `ddptrain train` processes (ranks forked from the test process would start with
-    everything the suite imported before, and measure that too)."""
+    everything the suite imported before, and measure that too). Without --lean-cpu-memory,
+    glibc keeps freed blocks for reuse and fsdp's peak is not asserted (README: FSDP)."""
     peaks = {}
-    for strategy in ("ddp", "fsdp"):
+    for strategy, flags in (("ddp", []), ("fsdp", ["--lean-cpu-memory"])):
         assert_ok(ddptrain_cli("train", "--task", TASKS + "mlp_34m", "--strategy", strategy, "--max-epochs", "1",
-                               "--batch-size", "16", "--save-seconds", "0", "--run-dir", str(tmp_path / strategy)))
+                               "--batch-size", "16", "--save-seconds", "0", "--run-dir", str(tmp_path / strategy),
+                               *flags))
         (record,) = read_metrics(tmp_path / strategy)
         peaks[strategy] = record["memory_mb"]
     state = {s: peaks[s]["model_state_mb"]["max"] for s in peaks}

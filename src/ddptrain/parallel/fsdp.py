@@ -29,24 +29,6 @@ from ..tasks.protocol import Task
 from .base import Strategy, checkpoint_blocks, find_blocks, no_blocks_error
 from .precision import autocast_dtype
 
-MMAP_THRESHOLD = 1 << 20  # bytes; glibc's M_MMAP_THRESHOLD is mallopt parameter -3
-
-
-def return_large_buffers_to_os() -> None:
-    """CPU tensors come from glibc's malloc, which moves its mmap threshold up after the first
-    large free: from then on, the whole blocks FSDP gathers and frees every step fragment the
-    heap and the process only grows (measured: a 34M-parameter MLP grew from 640 MB to 1.2 GB
-    in 3 steps). A fixed 1 MiB threshold sends every large buffer to mmap, which returns it on
-    free. Not for ddp: there it cost ~15% of the MLP benchmark's throughput, for no memory."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).mallopt(-3, MMAP_THRESHOLD) if name else None
-    except (OSError, AttributeError):  # not glibc: its allocator, its rules
-        pass
-
 
 class FSDPStrategy(Strategy):
     snapshot_format = "dcp"
@@ -54,8 +36,6 @@ class FSDPStrategy(Strategy):
     def __init__(self, cfg: RunConfig, ctx: DistContext) -> None:
         super().__init__(cfg, ctx)
         self.forward_syncs = True  # every block's forward all-gathers its parameters
-        if ctx.device.type == "cpu":
-            return_large_buffers_to_os()
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """--precision is FSDP's mixed-precision policy here (parameters cast once per
