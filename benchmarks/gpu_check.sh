@@ -17,7 +17,7 @@ $PY -m ddptrain train --nproc 1 --device cuda --backend nccl --max-epochs 3 --ru
 $PY -m ddptrain train --nproc 1 --device cuda --backend nccl --max-epochs 3 --precision bf16 --run-dir "$OUT/nccl-bf16" --resume never
 
 echo "== MLP job: in-memory fast path against the DataLoader path (bf16)"
-DDPTRAIN_BENCH_JOB=mlp $PY -m ddptrain train --task ddptrain.bench.loops:bench_task --nproc 1 --device cuda \
+DDPTRAIN_BENCH_JOB=mlp $PY -m ddptrain train --task ddptrain.bench.jobs:bench_task --nproc 1 --device cuda \
     --max-epochs 3 --batch-size 256 --precision bf16 --run-dir "$OUT/mlp-fast" --resume never
 DDPTRAIN_BENCH_JOB=mlp $PY -m ddptrain train --task ddptrain_test_tasks:bench_via_dataloader --nproc 1 --device cuda \
     --max-epochs 3 --batch-size 256 --precision bf16 --workers 4 --run-dir "$OUT/mlp-loader" --resume never

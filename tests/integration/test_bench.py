@@ -3,34 +3,43 @@ measures nothing; the benchmark itself is a script, not a timed test)."""
 
 import importlib.util
 import json
+import math
 
 import pytest
 
+from ddptrain.bench.jobs import JOBS
 from helpers.commands import BIN, assert_ok, run
 
 
 def _table(stdout: str) -> list[list[str]]:
     lines = stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("job "))
-    for column in ("samples/s (min-max)", "vs loop", "1-epoch wall (min-max)", "vs fastest peer", "final loss"):
+    for column in ("steady samples/s (min-max)", "vs loop", "command samples/s", "1-epoch wall (min-max)",
+                   "vs fastest peer", "final loss"):
         assert column in lines[header]
-    return [line.split() for line in lines[header + 2:] if line.startswith("tutorial ")]
+    return [line.split() for line in lines[header + 2:] if line.split() and line.split()[0] in JOBS]
 
 
 @pytest.mark.slow
-def test_bench_with_peers_prints_one_table_of_the_same_job(tmp_path):
-    """The benchmark's plumbing (its figures are not asserted: a smoke run measures nothing)."""
+def test_bench_with_peers_prints_one_table_of_the_same_jobs(tmp_path):
+    """The benchmark's plumbing on GPT-2 (every contender's DDP code, dict-free batches of tokens) and
+    FSDP (every contender's sharding code): every contender ran, ended at the loss of the others,
+    and its step clock measured it (its figures are not asserted: a smoke run measures nothing)."""
     # find_spec, not import: importing Lightning in the test process sets environment variables
-    if not all(importlib.util.find_spec(peer) for peer in ("lightning", "accelerate")):
-        pytest.skip("the bench extra (pip install 'ddptrain[bench]') is not installed")
-    result = run([str(BIN / "ddptrain"), "bench", "--smoke", "--peers", "--reps", "1", "--jobs", "tutorial",
-                  "--contenders", "loop,ddptrain,lightning,accelerate", "--out", str(tmp_path)], timeout=300)
+    if not all(importlib.util.find_spec(peer) for peer in ("lightning", "accelerate", "transformers")):
+        pytest.skip("the bench and hf extras (pip install 'ddptrain[bench,hf]') are not installed")
+    contenders = ["loop", "ddptrain", "lightning", "accelerate"]
+    result = run([str(BIN / "ddptrain"), "bench", "--smoke", "--peers", "--reps", "1", "--jobs", "gpt2,fsdp",
+                  "--contenders", ",".join(contenders), "--out", str(tmp_path)], timeout=600)
     assert_ok(result)
     rows = _table(result.stdout)
-    assert [r[1] for r in rows] == ["loop", "ddptrain", "lightning", "accelerate"]
-    assert "tutorial: every contender ended at the same loss: yes" in result.stdout
+    assert [(r[0], r[1]) for r in rows] == [(job, c) for job in ("gpt2", "fsdp") for c in contenders]
+    for job in ("gpt2", "fsdp"):
+        assert f"{job}: every contender ended at the same loss: yes" in result.stdout
+    assert "gpt2: steady tokens/s (64 per sample): loop " in result.stdout
     saved = json.loads((tmp_path / "bench.json").read_text())["rows"]
-    assert len(saved) == 4 and all(r["wall_1_epoch_s"] > 0 and r["same_loss_as_all"] for r in saved)
+    assert len(saved) == 8 and all(r["wall_1_epoch_s"] > 0 and r["same_loss_as_all"] for r in saved)
+    assert all(math.isfinite(r["steady_samples_per_s"]) and r["steady_samples_per_s"] > 0 for r in saved), saved
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -48,11 +57,12 @@ def test_bench_names_missing_peers_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_floor_prints_the_floor_and_ddptrains_1_epoch_command_side_by_side(tmp_path):
+def test_bench_floor_prints_both_floors_and_ddptrains_1_epoch_command_side_by_side(tmp_path):
     result = run([str(BIN / "ddptrain"), "bench", "--floor", "--reps", "2", "--out", str(tmp_path)], timeout=300)
     assert_ok(result)
     rows = {line.split("  ")[0].strip(): line.split() for line in result.stdout.splitlines()
-            if line.startswith(("floor ", "ddptrain 1 epoch"))}
-    assert rows["floor"][-1] == "1.00" and float(rows["ddptrain 1 epoch"][-1]) > 1.0, result.stdout
+            if line.startswith(("floor ", "training floor ", "ddptrain 1 epoch"))}
+    assert rows["floor"][-2] == "1.00" and rows["training floor"][-1] == "1.00", result.stdout
+    assert float(rows["training floor"][-2]) > 1.0 and float(rows["ddptrain 1 epoch"][-2]) > 1.0, result.stdout
     walls = json.loads((tmp_path / "floor.json").read_text())["walls_s"]
-    assert len(walls["floor"]) == len(walls["ddptrain 1 epoch"]) == 2
+    assert [len(walls[name]) for name in ("floor", "training floor", "ddptrain 1 epoch")] == [2, 2, 2]

@@ -1,20 +1,24 @@
-"""``ddptrain bench``: ddptrain against a hand-written DDP loop (and, with ``--peers``,
-Lightning and Accelerate) on the same jobs, side by side in one run.
+"""``ddptrain bench``: ddptrain against hand-written loops (and, with ``--peers``, Lightning
+and Accelerate) on the same jobs (bench/jobs.py), side by side in one run.
 
-Every measurement is a whole command, started the way its users start it (bench/loops.py).
-Per repetition and job, each contender runs a 1-epoch command and a (1+E)-epoch command:
-the first's wall is what a user waits for a short job, and samples/s is the extra samples
-divided by the extra wall (so start-up cancels out, and everything per epoch counts: ddptrain's
-metrics lines, loss reads, snapshots). Contenders alternate within each repetition, so the
-machine's drift hits all alike; figures are medians with their min-max. Every contender
-trains the same model on the same samples in the same order, so all must end at the same
-loss: the table shows it.
+Every contender runs as whole commands, started the way its users start them (bench/loops.py).
+Per repetition and job, each contender runs a 1-epoch command and a (1+E)-epoch command, and
+three figures come out:
+- steady samples/s, measured inside the processes: rank 0's step clock (bench/clock.py) times
+  every step of the (1+E)-epoch run, and the steps after the warm-up give the rate (start-up,
+  imports and first-call costs left out; epoch ends, metrics and snapshots kept in);
+- command samples/s: the extra samples of the longer command over its extra wall, so start-up
+  cancels out and everything per epoch counts;
+- the 1-epoch command's wall: what a user waits for a short job.
+Contenders alternate within each repetition, so the machine's drift hits all alike; figures are
+medians with their min-max. Every contender trains the same model on the same samples in the
+same order, so all must end at the same loss: the table shows it.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import json
 import os
 import statistics
@@ -25,64 +29,84 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .loops import JOBS, SMOKE_SAMPLES, final_loss
+from .clock import steady_rate
+from .jobs import JOBS, Job, final_loss
 
 # ddptrain-skip: ddptrain with --skip-nonfinite 1, the non-finite guard's per-step mode (a check and
-# a one-element all-reduce every step); ddptrain's default guard costs no per-step work.
+# a one-element all-reduce every step); ddptrain's default guard costs no per-step work. It runs on
+# the small jobs, where a per-step cost shows.
 BASE = ("loop", "ddptrain", "ddptrain-skip")
 PEERS = ("lightning", "accelerate")
+SKIP_JOBS = ("tutorial", "mlp")
+DEFAULT_EPOCHS = {"tutorial": 60, "mlp": 3, "gpt2": 10, "fsdp": 2}  # E: the longer command's extra epochs
 
 
-def command(contender: str, job: str, nproc: int, epochs: int, out: str) -> list[str]:
+def command(contender: str, job: Job, nproc: int, epochs: int, out: str) -> list[str]:
     python = sys.executable
     if contender.startswith("ddptrain"):
-        return [python, "-m", "ddptrain", "train", "--task", "ddptrain.bench.loops:bench_task", "--nproc", str(nproc),
-                "--max-epochs", str(epochs), "--batch-size", "32", "--run-dir", out, "--resume", "never",
-                "--no-progress", *(["--skip-nonfinite", "1"] if contender == "ddptrain-skip" else [])]
-    loop = ["-m", "ddptrain.bench.loops", "--loop", contender, "--job", job, "--epochs", str(epochs), "--out", out]
+        return [python, "-m", "ddptrain", "train", "--task", "ddptrain.bench.jobs:bench_task", "--nproc", str(nproc),
+                "--max-epochs", str(epochs), "--batch-size", str(job.batch), "--run-dir", out, "--resume", "never",
+                "--no-progress", *(["--strategy", "fsdp"] if job.sharded else []),
+                *(["--skip-nonfinite", "1"] if contender == "ddptrain-skip" else [])]
+    loop = ["-m", "ddptrain.bench.loops", "--loop", contender, "--job", job.name, "--epochs", str(epochs), "--out", out]
     if contender == "accelerate":  # Accelerate's multi-process CPU runs are torchrun's (it sets the world size)
         return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *loop]
     return [python, *loop, "--nproc", str(nproc)]
 
 
-def run_once(contender: str, job: str, nproc: int, epochs: int, env: dict[str, str], log: Any = print
-             ) -> tuple[float, float]:
-    """(wall seconds of the whole command, full-data loss of its final weights). A failed
-    run is tried once more (and said so): one crash of a contender is not the benchmark's end."""
+def run_once(contender: str, job: Job, nproc: int, epochs: int, env: dict[str, str], log: Any = print
+             ) -> tuple[float, float, list[float]]:
+    """(wall seconds of the whole command, full-data loss of its final weights, rank 0's step
+    ticks). A failed run is tried once more (and said so): one crash of a contender is not the
+    benchmark's end."""
     import torch
 
     for attempt in (1, 2):
         with tempfile.TemporaryDirectory() as out:
+            clock = Path(out) / "clock.json"
+            steps = epochs * job.steps_per_epoch(nproc, smoke=bool(env.get("DDPTRAIN_BENCH_SMOKE")))
             started = time.perf_counter()
-            done = subprocess.run(command(contender, job, nproc, epochs, out),
-                                  env={**env, "DDPTRAIN_BENCH_JOB": job}, capture_output=True, text=True)
+            done = subprocess.run(command(contender, job, nproc, epochs, out), capture_output=True, text=True,
+                                  env={**env, "DDPTRAIN_BENCH_JOB": job.name, "DDPTRAIN_BENCH_CLOCK": str(clock),
+                                       "DDPTRAIN_BENCH_STEPS": str(steps)})
             wall = time.perf_counter() - started
             if done.returncode == 0:
-                return wall, final_loss(job, torch.load(Path(out) / "model.pt", weights_only=True))
+                ticks = json.loads(clock.read_text()) if clock.exists() else []
+                return wall, final_loss(job, torch.load(Path(out) / "model.pt", weights_only=True)), ticks
         error = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
-        log(f"  {contender} {job} failed ({error}); " + ("trying once more" if attempt == 1 else "giving up"))
-    raise RuntimeError(f"{contender} {job} x{nproc} failed twice:\n{done.stderr[-3000:]}")
+        log(f"  {contender} {job.name} failed ({error}); " + ("trying once more" if attempt == 1 else "giving up"))
+    raise RuntimeError(f"{contender} {job.name} x{nproc} failed twice:\n{done.stderr[-3000:]}")
+
+
+def contenders_of(job: str, contenders: list[str]) -> list[str]:
+    return [c for c in contenders if c != "ddptrain-skip" or job in SKIP_JOBS]
 
 
 def measure(contenders: list[str], jobs: list[str], nproc: int, reps: int, epochs: dict[str, int],
             env: dict[str, str], log: Any = print) -> list[dict[str, Any]]:
     runs = []
-    samples = {job: SMOKE_SAMPLES if env.get("DDPTRAIN_BENCH_SMOKE") else JOBS[job][0] for job in jobs}
     for rep in range(reps):
-        for job in jobs:
-            turn = rep % len(contenders)
-            for contender in contenders[turn:] + contenders[:turn]:  # rotate who goes first
-                short, loss = run_once(contender, job, nproc, 1, env, log)
+        for name in jobs:
+            job, mine = JOBS[name], contenders_of(name, contenders)
+            samples, per_step = job.size(smoke=bool(env.get("DDPTRAIN_BENCH_SMOKE"))), job.batch * nproc
+            turn = rep % len(mine)
+            for contender in mine[turn:] + mine[:turn]:  # rotate who goes first
+                short, loss, ticks = run_once(contender, job, nproc, 1, env, log)
                 long = short
-                if epochs[job]:  # (a smoke run checks the plumbing: one command each)
-                    long, loss = run_once(contender, job, nproc, 1 + epochs[job], env, log)
+                if epochs[name]:
+                    long, loss, ticks = run_once(contender, job, nproc, 1 + epochs[name], env, log)
                 # the extra samples over the extra wall (not measurable when the longer run was no longer)
-                rate = epochs[job] * samples[job] / (long - short) if long > short else float("nan")
-                runs.append({"job": job, "contender": contender, "rep": rep, "wall_1_epoch_s": short,
-                             "samples_per_s": rate, "final_loss": loss})
-                log(f"  rep {rep} {job:8s} {contender:13s} {rate:10,.0f} samples/s  1-epoch wall {short:5.2f} s  "
-                    f"loss {loss:.6g}")
+                rate = epochs[name] * samples / (long - short) if long > short else float("nan")
+                steady = steady_rate(ticks, per_step)
+                runs.append({"job": name, "contender": contender, "rep": rep, "wall_1_epoch_s": short,
+                             "samples_per_s": rate, "steady_samples_per_s": steady, "final_loss": loss,
+                             "tokens_per_sample": job.tokens_per_sample})
+                log(f"  rep {rep} {name:8s} {contender:13s} steady {steady:10,.1f} samples/s  command {rate:10,.1f} "
+                    f"samples/s  1-epoch wall {short:5.2f} s  loss {loss:.6g}")
     return runs
+
+
+FIGURES = ("steady_samples_per_s", "samples_per_s", "wall_1_epoch_s", "final_loss")
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -90,23 +114,22 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for job in dict.fromkeys(r["job"] for r in runs):
         mine = [r for r in runs if r["job"] == job]
         contenders = list(dict.fromkeys(r["contender"] for r in mine))
-        median = {c: {k: _median([r[k] for r in mine if r["contender"] == c])
-                      for k in ("samples_per_s", "wall_1_epoch_s", "final_loss")} for c in contenders}
+        of = {c: [r for r in mine if r["contender"] == c] for c in contenders}
+        median = {c: {k: _median([r[k] for r in of[c]]) for k in FIGURES} for c in contenders}
         peers = [c for c in contenders if c in PEERS]
         fastest_peer = min((median[c]["wall_1_epoch_s"] for c in peers), default=None)
         losses = [median[c]["final_loss"] for c in contenders]
         same_loss = (max(losses) - min(losses)) <= 1e-4 * max(abs(x) for x in losses)
         for contender in contenders:
-            of = [r for r in mine if r["contender"] == contender]
-            rows.append({
-                "job": job, "contender": contender, **median[contender],
-                "samples_per_s_range": [min(r["samples_per_s"] for r in of), max(r["samples_per_s"] for r in of)],
-                "wall_range": [min(r["wall_1_epoch_s"] for r in of), max(r["wall_1_epoch_s"] for r in of)],
-                "vs_loop": (median[contender]["samples_per_s"] / median["loop"]["samples_per_s"]
-                            if "loop" in median else None),
-                "wall_vs_fastest_peer": median[contender]["wall_1_epoch_s"] / fastest_peer if fastest_peer else None,
-                "same_loss_as_all": same_loss,
-            })
+            row = {"job": job, "contender": contender, **median[contender],
+                   "tokens_per_sample": of[contender][0]["tokens_per_sample"], "same_loss_as_all": same_loss,
+                   "wall_vs_fastest_peer": (median[contender]["wall_1_epoch_s"] / fastest_peer
+                                            if fastest_peer else None)}
+            for key in ("steady_samples_per_s", "samples_per_s", "wall_1_epoch_s"):
+                row[key + "_range"] = _range([r[key] for r in of[contender]])
+            for key in ("steady_samples_per_s", "samples_per_s"):
+                row[key + "_vs_loop"] = median[contender][key] / median["loop"][key] if "loop" in median else None
+            rows.append(row)
     return rows
 
 
@@ -115,21 +138,42 @@ def _median(values: list[float]) -> float:
     return statistics.median(finite) if finite else float("nan")
 
 
+def _range(values: list[float]) -> list[float]:
+    finite = [v for v in values if v == v]
+    return [min(finite), max(finite)] if finite else [float("nan"), float("nan")]
+
+
+def _spread(value: float, spread: list[float], digits: int = 0) -> str:
+    return f"{value:,.{digits}f} ({spread[0]:,.{digits}f}-{spread[1]:,.{digits}f})"
+
+
+def _ratio(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None and value == value else ""
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = (f"{'job':9s} {'contender':13s} {'samples/s (min-max)':>27s} {'vs loop':>7s} "
-              f"{'1-epoch wall (min-max)':>23s} {'vs fastest peer':>15s} {'final loss':>11s}")
+    header = (f"{'job':9s} {'contender':13s} {'steady samples/s (min-max)':>27s} {'vs loop':>7s} "
+              f"{'command samples/s':>25s} {'vs loop':>7s} {'1-epoch wall (min-max)':>23s} {'vs fastest peer':>15s} "
+              f"{'final loss':>11s}")
     lines = [header, "-" * len(header)]
     for r in rows:
-        rate = f"{r['samples_per_s']:,.0f} ({r['samples_per_s_range'][0]:,.0f}-{r['samples_per_s_range'][1]:,.0f})"
-        wall = f"{r['wall_1_epoch_s']:.2f} s ({r['wall_range'][0]:.2f}-{r['wall_range'][1]:.2f})"
-        peer = f"{r['wall_vs_fastest_peer']:.2f}" if r["wall_vs_fastest_peer"] else ""
-        vs_loop = f"{r['vs_loop']:.2f}" if r["vs_loop"] is not None else ""
-        lines.append(f"{r['job']:9s} {r['contender']:13s} {rate:>27s} {vs_loop:>7s} {wall:>23s} {peer:>15s} "
-                     f"{r['final_loss']:11.6g}")
+        digits = 1 if r["steady_samples_per_s"] < 1000 else 0
+        lines.append(f"{r['job']:9s} {r['contender']:13s} "
+                     f"{_spread(r['steady_samples_per_s'], r['steady_samples_per_s_range'], digits):>27s} "
+                     f"{_ratio(r['steady_samples_per_s_vs_loop']):>7s} "
+                     f"{_spread(r['samples_per_s'], r['samples_per_s_range'], digits):>25s} "
+                     f"{_ratio(r['samples_per_s_vs_loop']):>7s} "
+                     f"{_spread(r['wall_1_epoch_s'], r['wall_1_epoch_s_range'], 2) + ' s':>23s} "
+                     f"{_ratio(r['wall_vs_fastest_peer']):>15s} {r['final_loss']:11.6g}")
     for job in dict.fromkeys(r["job"] for r in rows):
         same = all(r["same_loss_as_all"] for r in rows if r["job"] == job)
         lines.append(f"{job}: every contender ended at the same loss: {'yes' if same else 'NO'} "
                      "(same model, samples, order and optimizer)")
+        tokens = next(r["tokens_per_sample"] for r in rows if r["job"] == job)
+        if tokens:
+            rates = ", ".join(f"{r['contender']} {r['steady_samples_per_s'] * tokens / 1000:,.1f}k"
+                              for r in rows if r["job"] == job)
+            lines.append(f"{job}: steady tokens/s ({tokens} per sample): {rates}")
     lines.append("ddptrain-skip: ddptrain with --skip-nonfinite 1 (a finiteness check and agreement every step)")
     return "\n".join(lines)
 
@@ -147,12 +191,12 @@ def draw_chart(rows: list[dict[str, Any]], path: Path) -> str | None:
         mine = [r for r in rows if r["job"] == job]
         names = [r["contender"] for r in mine]
         colors = ["#e83" if n.startswith("ddptrain") else "#69c" if n == "loop" else "#999" for n in names]
-        for row, (key, spread, label) in enumerate((("samples_per_s", "samples_per_s_range", "samples/s"),
-                                                    ("wall_1_epoch_s", "wall_range", "1-epoch command wall (s)"))):
+        for row, (key, label) in enumerate((("steady_samples_per_s", "steady samples/s (in-process)"),
+                                            ("wall_1_epoch_s", "1-epoch command wall (s)"))):
             ax = axes[row][column]
             values = [r[key] for r in mine]
-            errors = [[v - r[spread][0] for v, r in zip(values, mine)],
-                      [r[spread][1] - v for v, r in zip(values, mine)]]
+            errors = [[v - r[key + "_range"][0] for v, r in zip(values, mine)],
+                      [r[key + "_range"][1] - v for v, r in zip(values, mine)]]
             ax.bar(names, values, yerr=errors, color=colors, capsize=3)
             ax.set_title(f"{job}: {label}", fontsize=10)
             ax.tick_params(axis="x", labelsize=8)
@@ -163,11 +207,8 @@ def draw_chart(rows: list[dict[str, Any]], path: Path) -> str | None:
 
 
 def installed(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
+    """Whether ``module`` can be imported (found, not imported: importing Lightning sets variables)."""
+    return importlib.util.find_spec(module) is not None
 
 
 def floor_main(args: argparse.Namespace) -> int:
@@ -188,10 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ddptrain bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=3, help="repetitions of every measurement (default 3)")
-    parser.add_argument("--jobs", default="tutorial,mlp", help="comma-separated: tutorial, mlp")
+    parser.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated: {', '.join(JOBS)} (default: all)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
-    parser.add_argument("--tutorial-epochs", type=int, default=60, help="extra epochs of the tutorial job (default 60)")
-    parser.add_argument("--mlp-epochs", type=int, default=3, help="extra epochs of the MLP job (default 3)")
+    parser.add_argument("--epochs", default="", metavar="JOB=E,...", help="extra epochs E of the longer command, "
+                        "per job (default: " + ",".join(f"{k}={v}" for k, v in DEFAULT_EPOCHS.items()) + ")")
     parser.add_argument("--peers", action="store_true", help="add Lightning and Accelerate rows (pip install "
                         "'ddptrain[bench]')")
     parser.add_argument("--contenders", default=None, help="comma-separated subset of loop, ddptrain, ddptrain-skip "
@@ -204,7 +245,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.floor:
         return floor_main(args)
     jobs = args.jobs.split(",")
-    epochs = {"tutorial": args.tutorial_epochs, "mlp": args.mlp_epochs}
+    unknown = sorted(set(jobs) - set(JOBS))
+    if unknown:
+        parser.error(f"--jobs: unknown {', '.join(unknown)}")
+    if "gpt2" in jobs and not installed("transformers"):
+        print("ddptrain bench: transformers not installed (pip install 'ddptrain[hf]'): the gpt2 job is left out",
+              flush=True)
+        jobs.remove("gpt2")
+    try:
+        epochs = {**DEFAULT_EPOCHS, **{k: int(v) for k, v in (p.split("=") for p in args.epochs.split(",") if p)}}
+    except ValueError:
+        parser.error(f"--epochs {args.epochs}: give JOB=E pairs, e.g. tutorial=60,mlp=3")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if args.smoke:
         epochs = {job: 0 for job in epochs}

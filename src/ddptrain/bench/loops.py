@@ -1,14 +1,19 @@
-"""What ``ddptrain bench`` measures ddptrain against, on the same job, launched the way each
-one's users launch it:
+"""What ``ddptrain bench`` measures ddptrain against, on the same job (bench/jobs.py), launched
+the way each one's users launch it:
 
-- ``loop``: the tutorial's hand-written DDP loop, corrected: DataLoader + DistributedSampler
-  + DDP, started with ``mp.spawn``.
-- ``lightning``: a LightningModule and ``Trainer(strategy="ddp")`` (Lightning starts the ranks).
+- ``loop``: the tutorial's hand-written loop, corrected: DataLoader + DistributedSampler +
+  DDP, started with ``mp.spawn``; on the ``fsdp`` job, FSDP2 written by hand (``fully_shard``
+  on each block, then the root), as torchtitan does it.
+- ``lightning``: a LightningModule and ``Trainer(strategy="ddp")`` (Lightning starts the
+  ranks); on the ``fsdp`` job, ``ModelParallelStrategy`` with ``fully_shard`` in
+  ``configure_model`` (Lightning's FSDP2 path: its ``strategy="fsdp"`` refuses CPUs).
 - ``accelerate``: the same loop on ``Accelerator`` (``prepare``, ``backward``), under torchrun.
+  On CPUs Accelerate's FSDP plugin quietly gives DDP, so on the ``fsdp`` job the model is
+  sharded by hand with ``fully_shard`` and Accelerate prepares the optimizer and runs backward
+  (the closest CPU equivalent).
 
-Every contender seeds the same model, trains on the same samples in the same order
-(DistributedSampler, seed 0, batch 32 per rank, SGD lr 1e-3, MSE) and rank 0 saves the final
-weights to ``OUT/model.pt``, so the benchmark can check they all ended at the same loss.
+Rank 0 of every contender saves the whole final weights to ``OUT/model.pt``, so the benchmark
+can check they all ended at the same loss; every loss ticks the step clock (bench/clock.py).
 
     python -m ddptrain.bench.loops --loop loop --job tutorial --nproc 2 --epochs 3 --out DIR
 """
@@ -23,72 +28,64 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn import functional as F
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler
 
-from ..tasks.protocol import Task
-from ..tasks.regression import regression_data
-
-# job -> (samples, hidden width or 0 for the tutorial's Linear(20, 1))
-JOBS = {"tutorial": (2048, 0), "mlp": (8192, 1024)}
-SMOKE_SAMPLES = 256
-BATCH, LR, SEED = 32, 1e-3, 0
+from .clock import clock
+from .jobs import JOBS, SEED, Job, blocks_of
 
 
-def job_model(job: str) -> torch.nn.Module:
-    width = JOBS[job][1]
-    if not width:
-        return torch.nn.Linear(20, 1)
-    return torch.nn.Sequential(torch.nn.Linear(20, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
-
-
-def job_data(job: str) -> TensorDataset:
-    samples = SMOKE_SAMPLES if os.environ.get("DDPTRAIN_BENCH_SMOKE") else JOBS[job][0]
-    return regression_data(SEED, samples)
-
-
-def bench_task(cfg: Any) -> Task:
-    """The job named by DDPTRAIN_BENCH_JOB as a ddptrain task (``--task ddptrain.bench.loops:bench_task``)."""
-    job = os.environ.get("DDPTRAIN_BENCH_JOB", "tutorial")
-    return Task(model=job_model(job), train_set=job_data(job), loss_fn=F.mse_loss, defaults={"lr": LR})
-
-
-def final_loss(job: str, weights: dict[str, torch.Tensor]) -> float:
-    """The full data set's MSE under the final weights: the same job ends at the same loss."""
-    model = job_model(job)
-    model.load_state_dict(weights)
-    inputs, targets = job_data(job).tensors
-    with torch.no_grad():
-        return F.mse_loss(model(inputs), targets).item()
-
-
-def _sampler_and_loader(data: TensorDataset, world: int, rank: int) -> tuple[DistributedSampler, DataLoader]:
+def _sampler_and_loader(job: Job, world: int, rank: int) -> tuple[DistributedSampler, DataLoader]:
+    data = job.train_set()
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=SEED)
-    return sampler, DataLoader(data, batch_size=BATCH, sampler=sampler)
+    return sampler, DataLoader(data, batch_size=job.batch, sampler=sampler)
 
 
-def _save(model: torch.nn.Module, out: str) -> None:
-    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, Path(out) / "model.pt")
+def _shard(model: torch.nn.Module, mesh: Any = None) -> None:
+    """FSDP2 as its documentation and torchtitan apply it: each block, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in blocks_of(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
-# --- the tutorial's loop, with mp.spawn ------------------------------------------------------------
-def _loop_rank(rank: int, world: int, job: str, epochs: int, out: str) -> None:
+def _whole_weights(model: torch.nn.Module, sharded: bool) -> dict[str, torch.Tensor]:
+    """The whole model's weights on CPU (every rank calls it: a sharded model is gathered)."""
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def _save(weights: dict[str, torch.Tensor], out: str) -> None:
+    torch.save(weights, Path(out) / "model.pt")
+
+
+# --- the hand-written loop, with mp.spawn -----------------------------------------------------------
+def _loop_rank(rank: int, world: int, job_name: str, epochs: int, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    job, tick = JOBS[job_name], clock()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(SEED)
-    model = DDP(job_model(job))
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    sampler, loader = _sampler_and_loader(job_data(job), world, rank)
+    model = job.model()
+    if job.sharded:
+        _shard(model)
+    else:
+        model = DDP(model)
+    optimizer = job.optimizer(model.parameters())
+    sampler, loader = _sampler_and_loader(job, world, rank)
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        for xs, ys in loader:
+        for batch in loader:
             optimizer.zero_grad(set_to_none=True)
-            F.mse_loss(model(xs), ys).backward()
+            tick()
+            job.loss(model, batch).backward()
             optimizer.step()
+    weights = _whole_weights(model if job.sharded else model.module, job.sharded)
     if rank == 0:
-        _save(model.module, out)
+        _save(weights, out)
     dist.barrier()  # rank 0 hosts the store: nobody tears down while another still talks to it
     dist.destroy_process_group()
 
@@ -103,51 +100,71 @@ def run_loop(job: str, nproc: int, epochs: int, out: str) -> None:
 
 
 # --- Lightning -------------------------------------------------------------------------------------
-def run_lightning(job: str, nproc: int, epochs: int, out: str) -> None:
+def run_lightning(job_name: str, nproc: int, epochs: int, out: str) -> None:
     import lightning as L
+
+    job, tick = JOBS[job_name], clock()
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(SEED)
-            self.model = job_model(job)
+            self.model = job.model()
+
+        def configure_model(self) -> None:  # ModelParallelStrategy: shard here, on the strategy's mesh
+            if job.sharded:
+                _shard(self.model, self.device_mesh["data_parallel"])
 
         def training_step(self, batch: Any, batch_index: int) -> torch.Tensor:
-            return F.mse_loss(self.model(batch[0]), batch[1])
+            tick()
+            return job.loss(self.model, batch)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=LR)
+            return job.optimizer(self.parameters())
 
         def train_dataloader(self) -> DataLoader:  # Lightning calls set_epoch on the sampler
-            return _sampler_and_loader(job_data(job), self.trainer.world_size, self.trainer.global_rank)[1]
+            return _sampler_and_loader(job, self.trainer.world_size, self.trainer.global_rank)[1]
 
+    if job.sharded:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy: Any = ModelParallelStrategy(data_parallel_size=nproc, tensor_parallel_size=1)
+    else:
+        strategy = "ddp"
     module = Module()
-    trainer = L.Trainer(accelerator="cpu", devices=nproc, strategy="ddp", max_epochs=epochs, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=nproc, strategy=strategy, max_epochs=epochs, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False)
     trainer.fit(module)
+    weights = _whole_weights(module.model, job.sharded)
     if trainer.global_rank == 0:
-        _save(module.model, out)
+        _save(weights, out)
 
 
 # --- Accelerate (under torchrun) ---------------------------------------------------------------------
-def run_accelerate(job: str, epochs: int, out: str) -> None:
+def run_accelerate(job_name: str, epochs: int, out: str) -> None:
     from accelerate import Accelerator
 
+    job, tick = JOBS[job_name], clock()
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(SEED)
-    model = job_model(job)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    sampler, loader = _sampler_and_loader(job_data(job), accelerator.num_processes, accelerator.process_index)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model = job.model()
+    sampler, loader = _sampler_and_loader(job, accelerator.num_processes, accelerator.process_index)
+    if job.sharded:  # sharded by hand (see the module's docstring); Accelerate would wrap it in DDP
+        _shard(model)
+        optimizer = accelerator.prepare(job.optimizer(model.parameters()))
+    else:
+        model, optimizer = accelerator.prepare(model, job.optimizer(model.parameters()))
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        for xs, ys in loader:
+        for batch in loader:
             optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(F.mse_loss(model(xs), ys))
+            tick()
+            accelerator.backward(job.loss(model, batch))
             optimizer.step()
+    weights = _whole_weights(model if job.sharded else accelerator.unwrap_model(model), job.sharded)
     if accelerator.is_main_process:
-        _save(accelerator.unwrap_model(model), out)
+        _save(weights, out)
 
 
 def main() -> None:
@@ -168,17 +185,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def mlp34m_task(cfg: Any) -> Task:
-    """A ~34M-parameter MLP (32 blocks of 1024x1024) with AdamW: ddp against fsdp memory
-    (benchmarks/fsdp_memory.py). FSDP holds a block or two whole besides its shards, so
-    the blocks are a fraction of the model, as in a transformer."""
-    width, blocks = 1024, 32
-    model = torch.nn.Sequential(torch.nn.Linear(20, width),
-                                *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU())
-                                  for _ in range(blocks)],
-                                torch.nn.Linear(width, 1))
-    samples = int(os.environ.get("DDPTRAIN_BENCH_SAMPLES", "512"))
-    return Task(model=model, train_set=regression_data(cfg.seed, samples), loss_fn=F.mse_loss,
-                defaults={"optimizer": "adamw", "lr": 1e-4})
