@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
+from ..comm import settle_before_fork
 from .sampling import MicroBatch, StepSampler
 
 
@@ -74,6 +75,8 @@ class _Batches:
 
     def _moved(self, loader: DataLoader) -> Iterator[Any]:
         non_blocking = self.device.type == "cuda"
+        if self.workers:
+            settle_before_fork()  # the epoch's iterator may fork its workers
         for batch in loader:
             yield to_device(batch, self.device, non_blocking)
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..comm import CollectiveMarks, broadcast_object
+from ..comm import CollectiveMarks, broadcast_object, settle_before_fork
 from ..errors import ConfigError
 from .batches import to_device
 from .sampling import MicroBatch
@@ -180,6 +180,8 @@ class StreamBatches:
         step's micro-batches are weighted as parts of a full step (``full_step`` samples); the
         Trainer calls ``agreed_samples`` after the backward for the step's real count (0: the
         epoch was over, nothing to step) and rescales a short step's gradients."""
+        if self.workers:
+            settle_before_fork()  # the epoch's iterator forks its workers
         batches = iter(self.loader)
         while True:
             mine = self._fetch(batches)

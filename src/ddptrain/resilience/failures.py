@@ -67,13 +67,38 @@ def record_error(error: BaseException) -> None:
 
 
 def hard_exit(code: int) -> None:
-    """End this process now, skipping interpreter shutdown (see the module docstring)."""
+    """End this process now, skipping interpreter shutdown (see the module docstring). After a
+    failure (``code`` not 0) its child processes go first (kill_children)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
+    if code:
+        kill_children()
     os._exit(code)
+
+
+def kill_children() -> None:
+    """SIGKILL this process's children: a failed rank leaves no DataLoader worker behind. A
+    worker notices its parent's death only once it runs Python; one stuck before that (forked
+    into a deadlock: comm.settle_before_fork) lived on, holding its rank's pipes, so the
+    launcher never saw the rank end and the job never did."""
+    me = os.getpid()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # not Linux: no /proc to find them by
+        return
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])  # the name, in (), may hold spaces
+            if ppid == me:
+                os.kill(int(entry), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to signal
+            continue
 
 
 @dataclass
