@@ -11,16 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .config import (
-    RunConfig,
-    from_options,
-    make_run_dir,
-    parse_nproc,
-    read_settings_file,
-    setting_name,
-    validate,
-)
+from .config import RunConfig, make_run_dir, parse_nproc, validate
 from .errors import ConfigError, Stopped, TrainingFailed  # noqa: F401 - ddptrain.api's names too
+from .settings import from_options, read_settings_file, setting_name
 from .storage import local_dir, remote_of
 
 if TYPE_CHECKING:  # torch is imported only once the settings are known to be good

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .config import FIELDS, coerce, field_type, flag
+from .config import FIELDS, flag
 from .errors import ConfigError
+from .settings import coerce, field_type
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -25,7 +26,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def _typed(field: str, flag_name: str) -> Any:
-    """argparse's ``type=``: config.coerce, the one conversion every way of giving a setting uses."""
+    """argparse's ``type=``: settings.coerce, the one conversion every way of giving a setting uses."""
     def convert(text: str) -> Any:
         try:
             return coerce(field, text, flag_name)

@@ -82,7 +82,7 @@ def export(run_dir: Path, fmt: str, out: Path, snapshot: int | None = None) -> s
 
 def _save_pretrained(run_dir: Path, weights: dict[str, torch.Tensor], out: Path) -> None:
     from . import tasks
-    from .config import from_options
+    from .settings import from_options
 
     settings: dict[str, Any] = json.loads((run_dir / "config.json").read_text())
     cfg = from_options({k: v for k, v in settings.items() if v is not None})

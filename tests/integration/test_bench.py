@@ -22,7 +22,7 @@ def _table(stdout: str) -> list[list[str]]:
 
 @pytest.mark.slow
 def test_bench_with_peers_prints_one_table_of_the_same_jobs(tmp_path):
-    """The benchmark's plumbing on GPT-2 (every contender's DDP code, dict-free batches of tokens) and
+    """The benchmark's plumbing on GPT-2 (every contender's DDP code, on batches of byte tokens) and
     FSDP (every contender's sharding code): every contender ran, ended at the loss of the others,
     and its step clock measured it (its figures are not asserted: a smoke run measures nothing)."""
     # find_spec, not import: importing Lightning in the test process sets environment variables

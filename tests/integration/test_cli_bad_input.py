@@ -15,6 +15,7 @@ SLURM = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", 
 POD = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517",
        "KUBERNETES_SERVICE_HOST": "10.96.0.1"}  # a Kubeflow PyTorchJob pod
 TASKS = "ddptrain_test_tasks:"
+INVALID = "invalid_tasks:"  # tasks wrong in one field
 
 # (arguments, environment, words the one line must hold); "{tmp}" is a scratch folder.
 CASES = [
@@ -84,13 +85,13 @@ CASES = [
     # what only the ranks can know (real ranks start, and stop before any training step)
     (["--batch-size", "2000"], {}, "--batch-size 2000 is larger than a rank's share of the data "
                                    "(2048 samples / 2 ranks = 1024); use --batch-size 1024 or less"),
-    (["--task", TASKS + "not_a_task"], {}, "the factory returned str, not a ddptrain.Task"),
-    (["--task", TASKS + "both_loss_and_step"], {}, "Task has both loss_fn and step_fn"),
-    (["--task", TASKS + "neither_loss_nor_step"], {}, "Task has neither loss_fn nor step_fn"),
-    (["--task", TASKS + "non_scalar_step"], {}, "Task.step_fn returned a tensor of shape (32, 1) and dtype float32"),
-    (["--task", TASKS + "integer_step"], {}, "Task.step_fn returned a tensor of shape () and dtype int64, not a scalar "
-                                             "floating-point loss"),
-    (["--task", TASKS + "detached_step"], {}, "Task.step_fn returned a loss that does not depend on any trainable"),
+    (["--task", INVALID + "not_a_task"], {}, "the factory returned str, not a ddptrain.Task"),
+    (["--task", INVALID + "both_loss_and_step"], {}, "Task has both loss_fn and step_fn"),
+    (["--task", INVALID + "neither_loss_nor_step"], {}, "Task has neither loss_fn nor step_fn"),
+    (["--task", INVALID + "non_scalar_step"], {}, "Task.step_fn returned a tensor of shape (32, 1) and dtype float32"),
+    (["--task", INVALID + "integer_step"], {},
+     "Task.step_fn returned a tensor of shape () and dtype int64, not a scalar floating-point loss"),
+    (["--task", INVALID + "detached_step"], {}, "Task.step_fn returned a loss that does not depend on any trainable"),
     (["--task", TASKS + "failing_stream"], {}, "the training set's iterator failed before its first batch: "
                                                "FileNotFoundError: shard-00000.jsonl is missing"),
     (["--task", TASKS + "empty_stream", "--max-steps", "5"], {},
@@ -99,12 +100,12 @@ CASES = [
                                                                  "first batch: FileNotFoundError: shard-00000.jsonl"),
     (["--task", TASKS + "stream", "--lr-schedule", "cosine"], {},
      "--lr-schedule cosine needs the run's length, and an iterable training set's epoch has no known length"),
-    (["--task", TASKS + "empty_eval_set"], {}, "Task.eval_set is empty; give it samples, or leave it None"),
+    (["--task", INVALID + "empty_eval_set"], {}, "Task.eval_set is empty; give it samples, or leave it None"),
     (["--task", TASKS + "unused_parameters"], {}, "parameter(s) unused.weight, unused.bias got no gradient in the "
                                                   "first step; use them in the loss"),
     (["--sync-batchnorm"], {}, "--sync-batchnorm needs CUDA GPUs"),
     (["--config", "{tmp}/twice.toml"], {}, "'max_epochs' and 'max-epochs' are the same setting"),
-    (["--task", TASKS + "eval_without_samples"], {}, "Task.eval_fn must return a dict of per-batch sums with"),
+    (["--task", INVALID + "eval_without_samples"], {}, "Task.eval_fn must return a dict of per-batch sums with"),
     (["--strategy", "fsdp", "--activation-checkpointing"], {}, "--activation-checkpointing needs blocks"),
     (["--run-dir", "{tmp}/broken"], {}, "no usable snapshot in"),
 ]
