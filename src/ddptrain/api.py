@@ -8,6 +8,7 @@ ranks through torch's elastic launcher. Both ``fit`` and the command line go thr
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +112,11 @@ def fit(task: str | TaskFactory, *, config: str | None = None, **options: Any) -
     when a rank fails or hangs, Stopped after a stop signal.
     """
     cfg, factory = prepare(task, options, config)
+    if cfg.run_dir is None:  # a Ray Train worker's run lives in Ray's storage for the job
+        from .resilience.ray_train import ray_storage_run_dir
+
+        if (in_ray := ray_storage_run_dir()) is not None:
+            cfg = dataclasses.replace(cfg, run_dir=in_ray)
     from .errors import LaunchFailed
 
     try:

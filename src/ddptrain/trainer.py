@@ -37,7 +37,7 @@ from .observe.report import NullReporter, Reporter
 from .observe.throughput import FlopCount, StepProfiler, device_peak_tflops, throughput_record
 from .optim import ScalerState, SchedulerState, build_optimizer, build_scheduler
 from .parallel import make_strategy
-from .parallel.base import ModelAndOptimizer, convert_sync_batchnorm, kept_buffers
+from .parallel.base import ModelAndOptimizer, convert_sync_batchnorm, leaves_no_trace
 from .resilience.guard import NonFiniteGuard, local_all_finite
 from .resilience.ray_train import RayReports
 from .resilience.stop_signals import StopSignal
@@ -319,23 +319,26 @@ class Trainer:
         total, count = None, None
         for i, (batch, micro) in enumerate(group):
             last = i == len(group) - 1
-            sync = contextlib.nullcontext() if last else self.strategy.no_sync(self.model)  # one sync per step
-            kept = contextlib.nullcontext() if micro.samples else kept_buffers(self.module)  # a stand-in
-            with sync, kept, self.strategy.autocast():
-                if self.strategy.forward_syncs:
-                    self.watchdog.arrive(FORWARD_SYNC, self.progress.global_step + 1)
-                loss, units = self._loss(batch)
-                if units is None:  # a mean over the micro-batch's samples
-                    loss = loss if micro.weight == 1.0 else loss * micro.weight
-                else:  # a sum over `units` (tokens, say): divided once the step's count is known
-                    loss, units = (loss, units) if micro.samples else (loss * 0.0, 0)
-                    count = units if count is None else count + units
-            if last:  # the gradient all-reduce happens in this backward
-                with self.watchdog.waiting(GRADIENT_SYNC, self.progress.global_step + 1, timed=False):
+            # One gradient sync per step: DDP decides in the forward whether the backward reduces,
+            # FSDP in the backward's hooks, so no_sync holds both for every micro-batch but the last.
+            sync = contextlib.nullcontext() if last else self.strategy.no_sync(self.model)
+            kept = contextlib.nullcontext() if micro.samples else leaves_no_trace(self.module, self.device)
+            with sync:
+                with kept, self.strategy.autocast():
+                    if self.strategy.forward_syncs:
+                        self.watchdog.arrive(FORWARD_SYNC, self.progress.global_step + 1)
+                    loss, units = self._loss(batch)
+                    if units is None:  # a mean over the micro-batch's samples
+                        loss = loss if micro.weight == 1.0 else loss * micro.weight
+                    else:  # a sum over `units` (tokens, say): divided once the step's count is known
+                        loss, units = (loss, units) if micro.samples else (loss * 0.0, 0)
+                        count = units if count is None else count + units
+                if last:  # the gradient all-reduce happens in this backward
+                    with self.watchdog.waiting(GRADIENT_SYNC, self.progress.global_step + 1, timed=False):
+                        self.scaler.scale(loss).backward()
+                        self.timings.backward_done()
+                else:
                     self.scaler.scale(loss).backward()
-                    self.timings.backward_done()
-            else:
-                self.scaler.scale(loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None, "a step has at least one micro-batch"
         return total, count

@@ -101,6 +101,57 @@ def uneven_stream(cfg) -> Task:
     return Task(model=torch.nn.Linear(20, 1), train_set=UnevenShares(), loss_fn=torch.nn.functional.mse_loss)
 
 
+class SquareShares(torch.utils.data.IterableDataset):
+    """SQUARE_TOTAL samples ``(x, y, id)`` cut into reader shares in proportion to (i+1)²: with 4
+    readers (2 ranks x 2 workers) 40, 160, 360 and 640 of 1,200, with 2 readers 240 and 960.
+    Each reader reads its own share (``set_shard``), in an order shuffled per epoch, and keeps
+    torchdata's Stateful protocol (``__iter__`` continues after ``load_state_dict``)."""
+
+    def __init__(self, total: int) -> None:
+        self.inputs, self.targets = regression_data(0, total).tensors
+        self.index, self.count, self.epoch, self.position, self.resumed = 0, 1, 0, 0, False
+
+    def set_shard(self, index: int, count: int) -> None:
+        self.index, self.count = index, count
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.position, self.resumed = epoch, 0, False
+
+    def share(self) -> range:
+        weights = [(i + 1) ** 2 for i in range(self.count)]
+        bounds = [len(self.inputs) * sum(weights[:i]) // sum(weights) for i in range(self.count + 1)]
+        return range(bounds[self.index], bounds[self.index + 1])
+
+    def __iter__(self):
+        share = self.share()
+        order = torch.randperm(len(share), generator=torch.Generator().manual_seed(self.epoch * 100 + self.index))
+        start = self.position if self.resumed else 0
+        self.resumed = False
+        for position in range(start, len(share)):
+            self.position = position + 1
+            k = share[int(order[position])]
+            yield self.inputs[k], self.targets[k], self.epoch * 1_000_000 + k
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position, self.resumed = state["epoch"], state["position"], True
+
+
+class StatelessSquareShares(SquareShares):
+    """The same shares without state: a resume reads each share again up to its position."""
+
+    state_dict = None  # type: ignore[assignment]  # not Stateful: ddptrain checks for callables
+    load_state_dict = None  # type: ignore[assignment]
+
+
+def square_shares(cfg) -> Task:
+    total = int(os.environ.get("SQUARE_TOTAL", "1200"))
+    shares = StatelessSquareShares(total) if os.environ.get("STATELESS") else SquareShares(total)
+    return _stream_task(cfg, shares)
+
+
 class _FailingStream(torch.utils.data.IterableDataset):
     def __iter__(self):
         raise FileNotFoundError("shard-00000.jsonl is missing")

@@ -374,6 +374,7 @@ from data_tasks import (  # noqa: E402, F401 - re-exported: the tests name them 
     empty_stream,
     failing_stream,
     jsonl_stream,
+    square_shares,
     stateless_stream,
     stream,
     token_file_lm,
@@ -384,6 +385,7 @@ from data_tasks import (  # noqa: E402, F401 - re-exported: the tests name them 
 killable_stream = killable(stream)
 killable_stateless_stream = killable(stateless_stream)
 killable_jsonl_stream = killable(jsonl_stream)
+killable_square_shares = killable(square_shares)
 
 
 def stream_as_map(cfg) -> Task:

@@ -1,7 +1,7 @@
 """The Ray Train tests' driver: one local Ray cluster (2 CPUs), then the jobs the test names,
 each a TorchTrainer over examples/ray_train.py's worker function; prints one JSON line per job.
 
-    python ray_jobs.py RUN_DIR STORAGE (resumed|unshared) ...
+    python ray_jobs.py RUN_DIR STORAGE (resumed|unshared|in-ray-storage) ...
 """
 
 from __future__ import annotations
@@ -28,6 +28,13 @@ def own_run_dir_worker(config: dict) -> None:
     train_worker(config)
 
 
+def ray_storage_worker(config: dict) -> None:
+    """fit() without a run dir: the run lives in Ray's storage for the job."""
+    import ddptrain
+
+    ddptrain.fit(config["task"], **config["options"])
+
+
 def run(name: str, worker, run_dir: Path, storage: str, task: str, max_failures: int) -> dict:
     trainer = TorchTrainer(worker, train_loop_config={"task": task, "run_dir": str(run_dir), "options": OPTIONS},
                            scaling_config=ScalingConfig(num_workers=2),
@@ -50,6 +57,8 @@ def main() -> None:
     for job in jobs:
         if job == "resumed":
             outcome = run(job, train_worker, Path(base) / job, storage, "ddptrain_test_tasks:kill_at_step", 1)
+        elif job == "in-ray-storage":
+            outcome = run(job, ray_storage_worker, Path(base) / job, storage, "regression", 0)
         else:
             outcome = run(job, own_run_dir_worker, Path(base) / job, storage, "regression", 0)
         print("RESULT " + json.dumps(outcome), flush=True)

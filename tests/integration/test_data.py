@@ -187,3 +187,36 @@ def test_a_token_file_keeps_memory_flat_and_fit_equals_the_command(tmp_path):
     fit(TASKS + "token_file_lm", tmp_path / "fit-10", env={"TOKEN_FILE": str(tmp_path / "10.bin")}, max_steps=20,
         batch_size=8)
     assert_same_weights(load_model(tmp_path / "fit-10"), load_model(tmp_path / "cli-10"), exact=True)
+
+
+SQUARES = {"batch_size": 8, "max_epochs": 3, "save_every": 5}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers,stateless", [(0, False), (1, False), (2, False), (2, True)])
+def test_a_share_that_ran_out_stays_out_after_a_stop_or_a_kill(tmp_path, workers, stateless):
+    """Shares in proportion to (i+1)² (2 ranks; 4 readers of 40/160/360/640 with 2 workers, else 2
+    of 240/960): rank 0's share runs out at step 25 (30) of 125 (120). Stopped by --max-steps 30
+    (35) and continued, or rank 1 SIGKILLed at step 40, the run ends bitwise the uninterrupted
+    one, and every epoch trains its 1,200 samples once (a finished share used to be read again);
+    a stream without state the same."""
+    ran_out = 25 if workers == 2 else 30
+    data_env = {"STATELESS": "1"} if stateless else {}
+    fit(TASKS + "square_shares", tmp_path / "whole", env=data_env, workers=workers, **SQUARES)
+    whole = load_model(tmp_path / "whole")
+    steps = 125 if workers == 2 else 120
+    assert [(r["step"], r["samples"]) for r in _epochs(tmp_path / "whole")] == [
+        (steps, 1200), (2 * steps, 1200), (3 * steps, 1200)]
+
+    fit(TASKS + "square_shares", tmp_path / "stopped", env=data_env, workers=workers, max_steps=ran_out + 5,
+        **SQUARES)
+    fit(TASKS + "square_shares", tmp_path / "stopped", env=data_env, workers=workers, **SQUARES)
+    assert_same_weights(load_model(tmp_path / "stopped"), whole, exact=True)
+    assert [r["samples"] for r in _epochs(tmp_path / "stopped") if not r.get("partial")] == [1200] * 3
+
+    env = {**data_env, "KILL_RANK": "1", "KILL_STEP": "40", "KILL_MARKER": str(tmp_path / "killed")}
+    with pytest.raises(TrainingFailed):
+        fit(TASKS + "killable_square_shares", tmp_path / "killed-run", env=env, workers=workers, **SQUARES)
+    fit(TASKS + "killable_square_shares", tmp_path / "killed-run", env=env, workers=workers, **SQUARES)
+    assert_same_weights(load_model(tmp_path / "killed-run"), whole, exact=True)
+    assert [r["samples"] for r in _epochs(tmp_path / "killed-run")] == [1200] * 3

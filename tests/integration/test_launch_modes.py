@@ -27,6 +27,26 @@ def test_two_torchrun_agents_form_a_two_node_job(tmp_path, reference, start):
     outputs = [agent.communicate(timeout=180) for agent in agents]
     assert [a.returncode for a in agents] == [0, 0], outputs
     assert_same_weights(load_model(tmp_path), reference, exact=True)
+    assert not any("TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in err for _, err in outputs)  # not an elastic range
+
+
+@pytest.mark.slow
+def test_an_elastic_range_under_the_shared_store_is_named_on_every_node(tmp_path, reference, start):
+    """--nnodes=1:2 without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: it trains (both nodes joined),
+    and each node says once, at start, that a node which leaves could not come back."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [start([str(BIN / "torchrun"), "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic-warning", f"--rdzv-conf=is_host={i == 0}",
+                     "-m", "ddptrain", *TRAIN, "--run-dir", str(tmp_path)]) for i in range(2)]
+    outputs = [agent.communicate(timeout=180) for agent in agents]
+    assert [a.returncode for a in agents] == [0, 0], outputs
+    assert_same_weights(load_model(tmp_path), reference, exact=True)
+    for _, err in outputs:
+        lines = [line for line in err.splitlines() if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in line]
+        assert lines == ["ddptrain: warning: torchrun --nnodes 1:2 without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: "
+                         "a node that leaves can never rejoin (torch's shared rendezvous store, "
+                         "pytorch/pytorch#135712); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun on "
+                         "every node (docs/multinode.md)"], err
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ def test_ray_workers_train_on_rays_group_and_a_killed_worker_resumes_bitwise(tmp
     env = clean_env(KILL_RANK="1", KILL_STEP="40", KILL_MARKER=str(tmp_path / "killed"))
     env["PYTHONPATH"] += f":{REPO / 'examples'}"  # Ray's workers import the example's worker function
     result = run([sys.executable, str(TESTS / "helpers" / "ray_jobs.py"), str(tmp_path), str(tmp_path / "ray-storage"),
-                  "resumed", "unshared"], env=env, timeout=600)
+                  "resumed", "unshared", "in-ray-storage"], env=env, timeout=600)
     assert_ok(result)
     outcomes = {o["job"]: o for o in (json.loads(line.removeprefix("RESULT ")) for line in result.stdout.splitlines()
                                       if line.startswith("RESULT "))}
@@ -35,3 +35,10 @@ def test_ray_workers_train_on_rays_group_and_a_killed_worker_resumes_bitwise(tmp
     assert outcomes["unshared"]["error"]  # Ray ends the job; the rank's own error names the cause
     assert (f"rank 1 cannot see snapshot {tmp_path}/unshared/rank-1/snapshots/step-000000032.pt written by rank 0: "
             "put --run-dir on storage every node shares") in result.stdout + result.stderr
+
+    # fit() without a run dir: the run lives in Ray's storage for the job, and says so once
+    in_ray = tmp_path / "ray-storage" / "in-ray-storage" / "ddptrain"
+    assert outcomes["in-ray-storage"]["error"] is None, outcomes["in-ray-storage"]
+    assert_same_weights(load_model(in_ray), load_model(tmp_path / "local"), exact=True)
+    assert outcomes["in-ray-storage"]["ray_checkpoint"]["run_dir"] == str(in_ray)
+    assert (result.stdout + result.stderr).count(f"the run lives in Ray's storage, {in_ray}") == 1

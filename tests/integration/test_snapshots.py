@@ -6,6 +6,7 @@ Processes are really killed (SIGKILL, SIGTERM); files are really corrupted.
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import time
@@ -167,6 +168,22 @@ def test_a_finished_run_says_where_its_model_is(tmp_path, capfd):
     out = capfd.readouterr().out
     assert f"already finished 1 epoch(s); its model is {tmp_path}/model.pt" in out
     assert "pass a larger --max-epochs" in out and "epoch 0 |" not in out
+
+
+@pytest.mark.slow
+def test_a_run_ended_by_max_steps_says_so_and_its_advice_trains_on(tmp_path, capfd):
+    """--max-epochs 3 --max-steps 50 (32 steps an epoch) ends at step 50; run again, it names
+    --max-steps, not the epochs; following the advice trains on from step 50."""
+    fit("regression", tmp_path, max_epochs=3, max_steps=50)
+    capfd.readouterr()
+    fit("regression", tmp_path, max_epochs=3, max_steps=50)
+    out = capfd.readouterr().out
+    assert "already finished 50 step(s)" in out and "reached --max-steps 50 at step 50" in out, out
+    said = next(line for line in out.splitlines() if "holds a run" in line)
+    advised = re.search(r"pass a larger --max-steps \(above (\d+)\); to train afresh", said)
+    assert advised and "--max-epochs" not in said, said
+    fit("regression", tmp_path, max_epochs=3, max_steps=int(advised.group(1)) + 10)
+    assert [r["step"] for r in read_metrics(tmp_path) if r["kind"] == "epoch"] == [32, 60]
 
 
 @pytest.mark.slow

@@ -87,3 +87,57 @@ def test_unknown_tracker_and_sync_of_a_server_that_is_down_are_one_line_errors(t
     assert result.returncode == 2, result.stdout + result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert result.stderr.startswith("ddptrain: error: --sync mlflow: ") and "reachable" in result.stderr
+
+
+DIGITS_EPOCHS = [23, 46, 69, 92]  # digits on 2 ranks x 32: 23 steps per epoch
+
+
+def _wandb_pairs(run_dir):
+    """Every (metric, step) in every W&B run file of the run dir (each attempt writes its own),
+    read with wandb's own reader, with how often each occurs."""
+    import collections
+
+    from ddptrain.observe.trackers import wandb_history
+
+    pairs = collections.Counter()
+    for path in run_dir.glob("wandb/offline-run-*/run-*.wandb"):
+        for row in wandb_history(path):
+            step = row.pop("_step")
+            pairs.update((key, step) for key in row if not key.startswith("_"))
+    return pairs
+
+
+@pytest.mark.parametrize("kill_step", [47, 62])
+def test_a_kill_at_any_moment_leaves_every_tracker_each_metric_and_step_once(mlflow_server, tmp_path, kill_step):
+    """mlflow, wandb (offline) and csv at once, digits for 4 epochs; rank 0 SIGKILLed right after
+    epoch 1's record is written (its 47th loss: the trackers' thread had not sent it, W&B had
+    not even started its run) or in the middle of epoch 2; the same command resumes from the
+    snapshot of step 46 (or 23, if the kill beat its writer). Each tracker then holds every
+    (metric, step) of metrics.jsonl once: the resumed run sent each what it lacked of the
+    records before its snapshot."""
+    from ddptrain.observe.tracking import metrics_of
+
+    run_dir, experiment = tmp_path / "run", f"kill-{kill_step}"
+    env = {"MLFLOW_TRACKING_URI": mlflow_server.uri, "MLFLOW_EXPERIMENT_NAME": experiment, "WANDB_MODE": "offline",
+           "KILL_RANK": "0", "KILL_STEP": str(kill_step), "KILL_MARKER": str(tmp_path / "killed")}
+    args = {"max_epochs": 4, "tracker": "mlflow,wandb,csv", "save_every": 23}
+    with pytest.raises(TrainingFailed):
+        fit("ddptrain_test_tasks:kill_digits", run_dir, env=env, **args)
+    fit("ddptrain_test_tasks:kill_digits", run_dir, env=env, **args)  # the same command
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == DIGITS_EPOCHS
+    expected = {(key, r["step"]) for r in records for key in metrics_of(r)}
+
+    run = _only_run(mlflow_server, experiment)
+    held = [(key, step) for key in {k for k, _ in expected} for step, _ in mlflow_server.history(run.info.run_id, key)]
+    assert sorted(held) == sorted(expected)  # each once: a repeated step would be listed twice
+
+    wandb = _wandb_pairs(run_dir)
+    assert set(wandb) == expected and set(wandb.values()) == {1}, wandb
+
+    import csv
+
+    with open(run_dir / "metrics.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [int(row["step"]) for row in rows] == DIGITS_EPOCHS
+    assert [float(row["train_loss"]) for row in rows] == [r["train_loss"] for r in records]

@@ -103,3 +103,24 @@ def test_torchrun_inside_a_pod_and_a_hand_set_rank_outside_kubernetes_stay_one_r
 def test_a_pod_index_outside_the_job_is_one_line():
     with pytest.raises(ConfigError, match=r"^RANK=3 is outside the PyTorchJob's 3 pod\(s\) \(WORLD_SIZE\)"):
         detect({**POD, "RANK": "3"}).validate()
+
+
+TORCHRUN_WORKER = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+@pytest.mark.parametrize("args,named", [
+    (["torchrun", "--nnodes=1:2", "-m", "ddptrain", "train"], "--nnodes 1:2"),
+    (["torchrun", "--nnodes", "2:4", "--nproc-per-node=8", "x.py"], "--nnodes 2:4"),
+    (["torchrun", "--nnodes=2", "x.py"], None),  # a fixed size: nobody rejoins
+    (["torchrun", "--nnodes=2:2", "x.py"], None),
+    ([], None),  # the parent's command line could not be read
+])
+def test_an_elastic_range_under_the_shared_store_is_one_warning(args, named):
+    line = TorchrunEnvironment(TORCHRUN_WORKER).shared_store_warning(args)
+    assert (line is None) == (named is None)
+    if named:
+        assert f"torchrun {named} without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line and "\n" not in line
+    # with the variable set, torch's agent tells its workers it shares no store: nothing to say
+    own_store = {**TORCHRUN_WORKER, "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    assert TorchrunEnvironment(own_store).shared_store_warning(args) is None

@@ -143,12 +143,15 @@ class StreamBatches:
         self.stand_in: Any = None  # a batch to run with weight 0 when this rank's share has run out
         self.stand_ins_shared = False  # every rank holds a stand-in: agreements can overlap the steps
         self.read_any = False  # whether this rank's share ever gave a batch (its iterator works)
+        self.exhausted = False  # this rank's share ran out this epoch: only stand-ins until it ends
         self.full_step = world_size * grad_accum * batch_size  # what each micro-batch is weighted as a part of
         self.message, self.pending, self.total = torch.zeros(1, dtype=torch.float64), None, -1
 
     # --- state (a list by rank in a snapshot) -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"workers": self.workers, "loader": self.loader.state_dict()}
+        # A finished loader's state restores as a fresh one (torchdata starts the stream over,
+        # with workers): a share that ran out is said so, and stays out after a resume.
+        return {"workers": self.workers, "loader": self.loader.state_dict(), "exhausted": self.exhausted}
 
     def load_state_dict(self, by_rank: list[dict[str, Any]]) -> None:
         """Every rank's saved state (snapshots hold them by rank); this rank's is used if the
@@ -162,7 +165,8 @@ class StreamBatches:
         self.share.set_epoch(epoch)
         self.generator.manual_seed(self.seed * 1_000_003 + epoch)
         resumed = self._saved_loader_state() if start_step > 0 and self.saved is not None else {}
-        self.loader.load_state_dict(resumed)
+        self.exhausted = bool(resumed.get("exhausted", False))
+        self.loader.load_state_dict({} if self.exhausted else resumed.get("loader", {}))
         self.saved = None
 
     def _saved_loader_state(self) -> dict[str, Any]:
@@ -173,7 +177,7 @@ class StreamBatches:
                               f"{saved[0]} rank(s) x --workers {saved[1]}; this run has {self.world_size} x "
                               f"{self.workers}, and a stream's shares depend on both: resume with the same "
                               "world size and --workers (or resume from a snapshot at an epoch's end)")
-        return by_rank[self.rank]["loader"]
+        return by_rank[self.rank]
 
     def steps(self) -> Iterator[list[tuple[Any, MicroBatch]]]:
         """The epoch's remaining optimizer steps, ending on every rank at the same step. Each
@@ -182,7 +186,7 @@ class StreamBatches:
         epoch was over, nothing to step) and rescales a short step's gradients."""
         if self.workers:
             settle_before_fork()  # the epoch's iterator forks its workers
-        batches = iter(self.loader)
+        batches = iter(()) if self.exhausted else iter(self.loader)
         while True:
             mine = self._fetch(batches)
             counts = [samples_in(batch) for batch in mine]
@@ -215,8 +219,11 @@ class StreamBatches:
     def _fetch(self, batches: Iterator[Any]) -> list[Any]:
         """Up to ``grad_accum`` batches of this rank's share (fewer, or none, where it ends). An
         iterator that fails before giving anything is a one-line error naming the rank."""
+        if self.exhausted:
+            return []
         try:
             mine = list(itertools.islice(batches, self.grad_accum))
+            self.exhausted = len(mine) < self.grad_accum
         except Exception as error:
             if self.read_any:
                 raise

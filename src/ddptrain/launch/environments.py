@@ -11,6 +11,7 @@ import os
 import re
 import socket
 from collections.abc import Mapping
+from pathlib import Path
 
 from ..errors import ConfigError
 
@@ -71,6 +72,10 @@ class Environment:
     # The variables the messages name (each launcher spells them its own way).
     rank_var, world_var, local_rank_var = "RANK", "WORLD_SIZE", "LOCAL_RANK"
 
+    def shared_store_warning(self) -> str | None:
+        """A line to print at start about how this launcher was set up, or None."""
+        return None
+
     def _int(self, name: str) -> int:
         value = self.env[name]
         try:
@@ -127,6 +132,40 @@ class TorchrunEnvironment(Environment):
     @property
     def master_port(self) -> int:
         return self._int("MASTER_PORT")
+
+    def shared_store_warning(self, agent_args: list[str] | None = None) -> str | None:
+        """A line for an elastic range (``--nnodes MIN:MAX``) under torch's shared rendezvous
+        store: shrinking works, but a node that comes back waits on a store that never names
+        the new round's rank 0, and both agents fail 60 s later (pytorch/pytorch#135712).
+        ``agent_args``: torchrun's command line (default: the parent process's)."""
+        if self.env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            return None  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or not torchrun's agent
+        nodes = elastic_nodes(agent_args if agent_args is not None else parent_args())
+        if nodes is None or nodes[0] == nodes[1]:
+            return None
+        return (f"warning: torchrun --nnodes {nodes[0]}:{nodes[1]} without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: "
+                "a node that leaves can never rejoin (torch's shared rendezvous store, pytorch/pytorch#135712); "
+                "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun on every node (docs/multinode.md)")
+
+
+def parent_args() -> list[str]:
+    """The parent process's command line (torchrun's, for its workers); [] where unreadable."""
+    try:
+        return Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def elastic_nodes(args: list[str]) -> tuple[int, int] | None:
+    """``(min, max)`` of torchrun's ``--nnodes MIN:MAX`` (or ``--nnodes=MIN:MAX``), else None."""
+    for i, arg in enumerate(args):
+        value = arg.split("=", 1)[1] if arg.startswith("--nnodes=") else (
+            args[i + 1] if arg == "--nnodes" and i + 1 < len(args) else None)
+        if value is not None and ":" in value:
+            low, _, high = value.partition(":")
+            if low.isdigit() and high.isdigit():
+                return int(low), int(high)
+    return None
 
 
 class SlurmEnvironment(Environment):

@@ -156,6 +156,8 @@ def run_rank_or_leave(cfg: RunConfig, factory: TaskFactory | None = None,
 def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg: int | None = None) -> Outcome:
     env = detect(local_rank_arg=local_rank_arg)
     show_warnings_with_rank(env.rank)
+    if env.local_rank == 0 and (line := env.shared_store_warning()):  # once on every node
+        say(f"ddptrain: {line}", sys.stderr)
     run_dir = local_dir(cfg.run_dir)  # resolved by the caller (api.execute); a remote one's local mirror
     device_kind, backend = resolve_device_kind(cfg.device, cfg.backend, env.local_world_size)
     store = connect_store(env, cfg.timeout)
@@ -173,7 +175,7 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
         if not is_stream(task.train_set):
             check_batch_fits(len(task.train_set), env.world_size, cfg.batch_size)  # type: ignore[arg-type]
         with joined(env, device_kind, backend, cfg.timeout, store, watchdog) as ctx:
-            status = Trainer(task, cfg, ctx).fit()
+            status, reached = train(task, cfg, ctx)
     except ConfigError as error:  # the same on every rank: each returns it, the launcher says it once
         watchdog.report_failure(error)
         watchdog.stop()
@@ -191,7 +193,16 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
             _hold.release()
     watchdog.stop()
     pid_file(run_dir, env.rank).unlink(missing_ok=True)
-    return status, outcome_message(status, cfg)
+    return status, outcome_message(status, cfg, reached)
+
+
+def train(task: Any, cfg: RunConfig, ctx: Any) -> tuple[str, tuple[int, int]]:
+    """The Trainer's outcome and where the run stands (epoch, global step). The Trainer lives
+    in this frame only: it (and DDP's reducer, which holds the process group) must be gone
+    before the group is left, or interpreter exit can deadlock in gloo (DESIGN.md's pitfalls)."""
+    trainer = Trainer(task, cfg, ctx)
+    status = trainer.fit()
+    return status, (trainer.progress.epoch, trainer.progress.global_step)
 
 
 def hold_run_dir(rank: int, run_dir: Path, store: Any, remote: RemoteDir | None = None) -> None:
@@ -214,7 +225,9 @@ def hold_run_dir(rank: int, run_dir: Path, store: Any, remote: RemoteDir | None 
         raise ConfigError(refusal)
 
 
-def outcome_message(status: str, cfg: RunConfig) -> str:
+def outcome_message(status: str, cfg: RunConfig, reached: tuple[int, int] | None = None) -> str:
+    """The launcher's last line for ``status``; ``reached``: ``(epoch, global step)`` where an
+    already finished run stands."""
     if status == "preempted":
         return (f"stopped by a signal at a step boundary; snapshot saved in {cfg.run_dir}/snapshots; "
                 "run the same command to resume")
@@ -222,13 +235,24 @@ def outcome_message(status: str, cfg: RunConfig) -> str:
         remote = remote_of(cfg.run_dir)
         model = str(cfg.run_dir).rstrip("/") + "/model.pt"
         saved = remote.exists("model.pt") if remote is not None else Path(model).exists()
-        length, flag = ((f"{cfg.max_steps} step(s)", "--max-steps") if cfg.max_steps is not None and
-                        (cfg.max_epochs is None) else (f"{cfg.epochs:g} epoch(s)", "--max-epochs"))
-        done = (f"already finished {length}; its model is {model}" if saved else
-                f"was stopped past {length}, before writing model.pt")
-        return (f"{cfg.run_dir} holds a run that {done}. To train it longer, pass a larger {flag}; "
-                "to train afresh, pass --resume never or another --run-dir")
+        return finished_message(str(cfg.run_dir), cfg, *(reached or (0, 0)), model if saved else None)
     return f"model saved to {cfg.run_dir}/model.pt"
+
+
+def finished_message(run_dir: str, cfg: RunConfig, epoch: int, step: int, model: str | None) -> str:
+    """What a run that already reached its limits says: which limit it reached, how far it
+    went, and flags that train it on (above where it stands, for every limit it reached)."""
+    limits = []  # (flag, its value, where the run stands in its unit, the unit)
+    if epoch >= cfg.epochs:
+        limits.append(("--max-epochs", cfg.epochs, epoch, "epoch(s)"))
+    if cfg.max_steps is not None and step >= cfg.max_steps:
+        limits.append(("--max-steps", cfg.max_steps, step, "step(s)"))
+    what = " and ".join(f"{at} {unit}" for _, _, at, unit in limits)
+    reached = " and ".join(f"{flag} {value:g}" for flag, value, _, _ in limits)
+    advice = " and ".join(f"a larger {flag} (above {at})" for flag, _, at, _ in limits)
+    done = f"already finished {what}; its model is {model}" if model else f"was stopped past {what}, before model.pt"
+    return (f"{run_dir} holds a run that {done}. It reached {reached} at step {step}; to train it longer, pass "
+            f"{advice}; to train afresh, pass --resume never or another --run-dir")
 
 
 def show_warnings_with_rank(rank: int) -> None:

@@ -49,6 +49,7 @@ class Reporter:
         self.cfg = cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(cfg.to_json() + "\n")
+        kept: list[dict[str, Any]] = []
         if resumed_step is not None:
             # A partial epoch's record ended an earlier run (--max-steps); the epoch goes on now.
             kept = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= resumed_step and not r.get("partial")]
@@ -58,7 +59,7 @@ class Reporter:
             from .trackers import make_trackers
 
             self.tracking = Tracking(make_trackers(cfg), self.run_dir)
-            self.tracking.begin(json.loads(cfg.to_json()))
+            self.tracking.begin(json.loads(cfg.to_json()), kept)  # what a tracker lacks of them, first
 
     def info(self, message: str) -> None:
         if self.bar is not None:

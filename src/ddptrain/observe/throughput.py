@@ -91,7 +91,8 @@ class StepProfiler:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         self.profiler = profile(activities=activities, on_trace_ready=self._write,
-                                schedule=schedule(wait=1, warmup=0, active=self.steps, repeat=1))
+                                schedule=schedule(wait=1, warmup=0, active=self.steps, repeat=1),
+                                record_shapes=True)  # the shapes tell collectives apart (tests/helpers/costs.py)
         self.profiler.start()
 
     def step_done(self) -> None:

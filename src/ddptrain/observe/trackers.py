@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
@@ -130,10 +131,11 @@ class MlflowTracker(Tracker):
 
         uri = os.environ.get("MLFLOW_TRACKING_URI") or saved.get("tracking_uri") or mlflow.get_tracking_uri()
         self.client = MlflowClient(tracking_uri=uri)
-        run = self._existing(saved.get("id"))
+        experiment = self._experiment_id()
+        run = self._existing(saved.get("id")) or self._started_as(experiment, saved["uid"])
         if run is None:
-            run = self.client.create_run(self._experiment_id(), run_name=run_dir.name,
-                                         tags={"ddptrain.run_dir": str(run_dir.resolve())})
+            tags = {"ddptrain.run_dir": str(run_dir.resolve()), "ddptrain.uid": saved["uid"]}
+            run = self.client.create_run(experiment, run_name=run_dir.name, tags=tags)
             say(f"mlflow: run {run.info.run_id} in experiment {run.info.experiment_id} at {uri}")
         else:
             self.client.update_run(run.info.run_id, status="RUNNING")
@@ -156,6 +158,11 @@ class MlflowTracker(Tracker):
                 return None
             raise
         return run if run.info.lifecycle_stage == "active" else None
+
+    def _started_as(self, experiment: str, uid: str) -> Any:
+        """The run an earlier attempt started under ``uid`` (killed before it kept the run's id)."""
+        found = self.client.search_runs([experiment], filter_string=f"tags.`ddptrain.uid` = '{uid}'", max_results=1)
+        return found[0] if found else None
 
     def _experiment_id(self) -> str:
         from mlflow.exceptions import MlflowException
@@ -203,11 +210,25 @@ class WandbTracker(Tracker):
     def open(self, run_dir: Path, params: dict[str, str], saved: dict[str, Any]) -> dict[str, Any]:
         import wandb
 
+        self.run_dir = run_dir
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "ddptrain"), dir=str(run_dir),
-                              id=saved.get("id"), resume="allow" if saved.get("id") else None, name=run_dir.name,
+                              id=saved.get("id") or saved["uid"], resume="allow", name=run_dir.name,
                               settings=wandb.Settings(console="off", silent=True))
         self.run.config.update(params, allow_val_change=True)
+        # Offline, what the run holds is in its files (each attempt writes its own), read back
+        # with wandb's reader: a killed attempt's file lacks what wandb had not written yet.
+        self.tells_held = bool(getattr(self.run.settings, "_offline", False)) and wandb_reader() is not None
         return {"id": self.run.id}
+
+    def held(self) -> set[tuple[str, int]]:
+        if not self.tells_held:
+            return set()
+        pairs: set[tuple[str, int]] = set()
+        for path in self.run_dir.glob(f"wandb/offline-run-*-{self.run.id}/run-{self.run.id}.wandb"):
+            for row in wandb_history(path):
+                step = row.pop("_step", None)
+                pairs.update((key, int(step)) for key in row if step is not None and not key.startswith("_"))
+        return pairs
 
     def send(self, step: int, metrics: dict[str, float], wall_time: float | None) -> None:
         self.run.log(metrics, step=step)
@@ -217,6 +238,39 @@ class WandbTracker(Tracker):
             shutil.copy(path, Path(self.run.dir) / path.name)
         self.run.summary.update(summary)
         self.run.finish(exit_code=0 if status == "finished" else 1)
+
+
+def wandb_reader() -> tuple[Any, Any] | None:
+    """wandb's own reader of its run files and their record type; None where this wandb has none
+    (0.29 and later ship no Python reader)."""
+    try:
+        from wandb.proto import wandb_internal_pb2
+        from wandb.sdk.internal import datastore
+    except ImportError:
+        return None
+    return datastore, wandb_internal_pb2
+
+
+def wandb_history(path: Path) -> list[dict[str, Any]]:
+    """The history rows of one W&B run file (``{key: value, "_step": step}``), up to where a
+    killed writer left it."""
+    reader = wandb_reader()
+    if reader is None:
+        return []
+    datastore, records = reader
+    rows = []
+    store = datastore.DataStore()
+    try:
+        store.open_for_scan(str(path))
+        while (data := store.scan_data()) is not None:
+            record = records.Record()
+            record.ParseFromString(data)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    except Exception:  # noqa: BLE001 - a file cut short by a kill: what came before it counts
+        pass
+    return rows
 
 
 KINDS: dict[str, type[Tracker]] = {"csv": CsvTracker, "tensorboard": TensorBoardTracker, "mlflow": MlflowTracker,

@@ -5,10 +5,13 @@ every tracker (``Tracking``), so a tracker that is slow, down or broken never st
 its first failure is one warning line, and it gets nothing more in this run.
 ``ddptrain report RUN_DIR --sync NAME`` later sends what it missed (``sync``).
 
-Each tracker sends a (metric, step) pair at most once, across kills and resumes: the run dir's
-``trackers.json`` keeps each tracker's run id (a resumed run continues the same tracker run)
-and the last step it took; trackers that can say what they hold (MLflow's server, the CSV
-file) are asked too, which covers a kill between a send and that file's update.
+Each tracker gets each (metric, step) pair exactly once, across kills and resumes: the run
+dir's ``trackers.json`` keeps each tracker's run id (a resumed run continues the same tracker
+run); trackers that can say what they hold (MLflow's server, the CSV file, W&B's offline run
+files) are asked, and a resumed run first sends each of them what it lacks of the records kept
+before its snapshot (a kill can land before the tracking thread sent them, or before the
+tracker wrote them down). Trackers that cannot tell (TensorBoard, W&B online) go by the last
+step trackers.json says they took.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import queue
 import sys
 import threading
+import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -39,7 +43,9 @@ class Tracker:
 
     def open(self, run_dir: Path, params: dict[str, str], saved: dict[str, Any]) -> dict[str, Any]:
         """Start the tracker's run, or continue the one ``saved`` (this tracker's part of
-        trackers.json) names; return what to keep there (ids)."""
+        trackers.json) names; return what to keep there (ids). ``saved["uid"]``: this ddptrain
+        run's own id for the tracker, kept before this is called (a run started under it by an
+        attempt killed before its id was kept is found by it)."""
         return {}
 
     def held(self) -> set[tuple[str, int]]:
@@ -111,6 +117,9 @@ class Delivery:
 
     def open(self, run_dir: Path, params: dict[str, str]) -> None:
         saved = self.state.of(self.tracker.name)
+        if "uid" not in saved:  # kept before the tracker's run exists: a kill while it starts finds it again
+            saved["uid"] = uuid.uuid4().hex
+            self.state.update(self.tracker.name, uid=saved["uid"])
         kept = self.tracker.open(run_dir, params, saved)
         continued = kept.get("id") == saved.get("id")
         self.through = int(saved.get("through_step", -1)) if continued and not self.tracker.tells_held else -1
@@ -143,8 +152,16 @@ class Tracking:
         self.thread = threading.Thread(target=self._work, name="ddptrain-trackers", daemon=True)
         self.thread.start()
 
-    def begin(self, config: dict[str, Any]) -> None:
-        self.queue.put((lambda d: d.open(self.run_dir, params_of(config)), "starting its run"))
+    def begin(self, config: dict[str, Any], kept: Iterable[dict[str, Any]] = ()) -> None:
+        """Open every tracker's run; ``kept``: a resumed run's records from before its snapshot,
+        sent first to each tracker that lacks them."""
+        kept = list(kept)
+
+        def start(delivery: Delivery) -> None:
+            delivery.open(self.run_dir, params_of(config))
+            for record in kept:
+                delivery.deliver(record)
+        self.queue.put((start, "starting its run"))
 
     def log(self, record: dict[str, Any]) -> None:
         self.queue.put((lambda d: d.deliver(record), f"sending step {record['step']}"))

@@ -47,16 +47,19 @@ def checkpoint_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> 
 
 
 @contextlib.contextmanager
-def kept_buffers(module: torch.nn.Module) -> Iterator[None]:
-    """Buffers as they were before the block: a stand-in sample (weight 0, see data.py) trains
-    nothing and must not move BatchNorm's running statistics either."""
+def leaves_no_trace(module: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """A stand-in micro-batch (weight 0, see data/) trains nothing, and must change nothing else
+    either: buffers (BatchNorm's running statistics) as they were before it, and the random
+    streams too (dropout draws as many numbers as the stand-in's shape asks for, and a resumed
+    rank's stand-in may come from another rank, of another shape)."""
     saved = [b.detach().clone() for b in module.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in zip(module.buffers(), saved):
-                buffer.copy_(value)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, value in zip(module.buffers(), saved):
+                    buffer.copy_(value)
 
 
 def convert_sync_batchnorm(module: torch.nn.Module) -> torch.nn.Module:

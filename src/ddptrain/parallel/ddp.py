@@ -44,6 +44,11 @@ class DDPStrategy(Strategy):
         self.needs_every_gradient = not (self.cfg.find_unused_parameters or self.cfg.static_graph)
         return ddp
 
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Accumulation micro-batches before the last: gradients stay local (DDP's ``no_sync``,
+        which must hold the micro-batch's forward: DDP decides there whether the backward reduces)."""
+        return model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext()
+
     # DDP's reducer waits for every parameter's gradient: one that gets none fails the *next*
     # step, naming parameter indices at the end of a long traceback. Named here instead.
     def check_gradients(self, module: torch.nn.Module) -> None:
@@ -66,7 +71,3 @@ def unused_error(names: list[str], when: str) -> ConfigError:
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     return ConfigError(f"parameter(s) {shown} got no gradient {when}; use them in the loss, set "
                        "requires_grad=False on them, or pass --find-unused-parameters")
-
-    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
-        """Accumulation micro-batches before the last: gradients stay local (DDP's no_sync)."""
-        return model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext()

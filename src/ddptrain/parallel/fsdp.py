@@ -59,7 +59,9 @@ class FSDPStrategy(Strategy):
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
         for block in blocks:
             fully_shard(block, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=policy)
-        fully_shard(module, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=policy)
+        # The root keeps its parameters gathered from forward to backward (torch's default for it:
+        # the backward needs them at once); resharding it too cost an all-gather per micro-batch.
+        fully_shard(module, reshard_after_forward=None, mp_policy=policy)
         return torch.compile(module) if self.cfg.compile else module
 
     @contextlib.contextmanager

@@ -9,6 +9,10 @@ What Ray learns: after each snapshot is committed, every worker calls ``ray.trai
 where the run is, and rank 0 attaches a small Ray checkpoint (``ddptrain_snapshot.json``: the
 run dir and the snapshot's location), so Ray's result names ddptrain's newest snapshot. The
 weights stay in ddptrain's snapshot (Ray's storage gets the pointer, not a second copy).
+
+Without a ``run_dir``, the run lives in Ray's own storage for the job
+(``RunConfig(storage_path=...)``/``name``/``ddptrain``): the folder Ray keeps the job's results
+in, which a restarted group finds again (a local folder, or ``s3://``/``gs://`` as Ray was given).
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from ..console import say
+from ..errors import ConfigError
 
 POINTER = "ddptrain_snapshot.json"
 
@@ -33,6 +40,31 @@ def ray_train_session() -> Any | None:
     except Exception:  # noqa: BLE001 - outside a worker Ray raises one of several errors
         return None
     return train
+
+
+# pyarrow's file systems Ray's storage may be on, and the URL scheme ddptrain reads them with
+RAY_FILESYSTEMS = {"LocalFileSystem": "", "S3FileSystem": "s3://", "GcsFileSystem": "gs://"}
+
+
+def ray_storage_run_dir() -> str | None:
+    """Inside a Ray Train worker: the run dir in Ray's storage for this job; None elsewhere."""
+    train = ray_train_session()
+    if train is None:
+        return None
+    try:  # (get_storage is Ray's DeveloperAPI: checked rather than trusted)
+        storage = train.get_context().get_storage()
+        kind = type(storage.storage_filesystem).__name__
+        path = f"{storage.storage_fs_path.rstrip('/')}/{storage.experiment_dir_name}/ddptrain"
+    except Exception as error:  # noqa: BLE001 - any failure means the same to the user
+        raise ConfigError(f"fit() in a Ray Train worker without run_dir, and Ray's storage path could not be read "
+                          f"({type(error).__name__}); pass run_dir= storage every worker sees") from None
+    if kind not in RAY_FILESYSTEMS:
+        raise ConfigError(f"fit() in a Ray Train worker without run_dir: Ray's storage is a {kind}, which ddptrain "
+                          "cannot write; pass run_dir= storage every worker sees (a shared folder or s3://...)")
+    run_dir = RAY_FILESYSTEMS[kind] + path
+    if train.get_context().get_world_rank() == 0:
+        say(f"ddptrain: fit() in a Ray Train worker without run_dir: the run lives in Ray's storage, {run_dir}")
+    return run_dir
 
 
 class RayReports:

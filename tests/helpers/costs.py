@@ -1,0 +1,33 @@
+"""What a step costs in collectives, read from the traces ``--profile N`` writes: each
+collective this rank started, by kind and size, in each profiled optimizer step."""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+
+KINDS = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
+         "c10d::_reduce_scatter_base_": "reduce_scatter", "c10d::allgather_": "all_gather",
+         "c10d::reduce_scatter_": "reduce_scatter", "c10d::barrier": "barrier"}
+
+
+def _numel(dims) -> int:
+    """Elements of a collective's first input (a tensor, or a list of tensors for the list ops)."""
+    while dims and isinstance(dims[0], list):
+        dims = dims[0]
+    size = 1
+    for d in dims or []:
+        size *= d
+    return size
+
+
+def collectives_per_step(run_dir: Path, rank: int = 0) -> list[collections.Counter]:
+    """For each profiled step, a Counter of ``"kind[elements]"`` this rank started in it (the
+    ops are recorded on the calling thread when called, so each lands in the step that called it)."""
+    trace = json.loads((Path(run_dir) / "profile" / f"rank-{rank}.json").read_text())
+    events = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X"), key=lambda e: e["ts"])
+    steps = [e for e in events if e["name"].startswith("ProfilerStep")]
+    ops = [e for e in events if e["name"] in KINDS]
+    return [collections.Counter(f"{KINDS[e['name']]}[{_numel(e['args'].get('Input Dims'))}]" for e in ops
+                                if step["ts"] <= e["ts"] < step["ts"] + step["dur"]) for step in steps]

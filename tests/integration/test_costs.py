@@ -1,0 +1,62 @@
+"""What a step costs, as tests: the collectives each optimizer step starts, read from the
+``--profile`` trace of rank 0, must be what a hand-written loop of the same job pays, plus
+ddptrain's documented extras, and nothing more. Equal weights cannot show an extra
+collective (the sum is linear): these counts can.
+
+The job: the tutorial's Linear(20, 1) (21 parameters: one DDP bucket, one FSDP unit) on 2
+ranks, batch 8, long epochs. Steps 2 and 3 hold one-off costs (DDP's bucket rebuild, the stop
+agreement finding its interval), so the counts are of the steps after them; the stop agreement
+(3 numbers, about once a second) may land in one of them on a slow machine and is counted apart.
+
+What a hand-written loop pays per optimizer step of K micro-batches:
+- DDP with ``no_sync`` on the first K-1: one all-reduce per gradient bucket;
+- FSDP2 (``fully_shard``'s defaults) with ``set_requires_gradient_sync(False)`` on the first
+  K-1: for the root unit (this model, whole) one all-gather of its parameters in each
+  micro-batch's forward (kept gathered for the backward), one reduce-scatter.
+(Measured: the same job as a hand-written torchrun script, profiled the same way.)
+ddptrain's extras (README "What a step costs"): an iterable training set adds one all-reduce
+of 1 number (the step's sample count, overlapped with the backward); ``--skip-nonfinite`` one
+all-reduce of 1 number (every rank's verdict).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from helpers.commands import fit
+from helpers.costs import collectives_per_step
+
+TASKS = "ddptrain_test_tasks:"
+STOP_AGREEMENT = "all_reduce[3]"
+GRADIENTS_DDP = {"all_reduce[21]": 1}  # one bucket of the 21 parameters
+
+
+def _fsdp(micro_batches: int) -> dict[str, int]:
+    return {"all_gather[42]": micro_batches, "reduce_scatter[21]": 1}  # the model is FSDP's root unit
+
+
+CASES = {  # id: (fit's options, the collectives of one step)
+    "ddp": ({}, GRADIENTS_DDP),
+    "ddp-accum4": ({"grad_accum": 4}, GRADIENTS_DDP),
+    "ddp-accum4-skip-nonfinite": ({"grad_accum": 4, "skip_nonfinite": 3}, {**GRADIENTS_DDP, "all_reduce[1]": 1}),
+    "ddp-stream-accum3": ({"task": TASKS + "stream", "grad_accum": 3}, {**GRADIENTS_DDP, "all_reduce[1]": 1}),
+    "fsdp": ({"strategy": "fsdp"}, _fsdp(1)),
+    "fsdp-accum4": ({"strategy": "fsdp", "grad_accum": 4}, _fsdp(4)),
+    "fsdp-stream-accum3": ({"strategy": "fsdp", "task": TASKS + "stream", "grad_accum": 3},
+                           {**_fsdp(3), "all_reduce[1]": 1}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_step_starts_the_collectives_a_hand_written_loop_does_and_no_more(tmp_path, case):
+    options, per_step = CASES[case]
+    options = {"task": "regression", "batch_size": 8, "max_steps": 9, "profile": 7, **options}
+    fit(options.pop("task"), tmp_path, env={"STREAM_SAMPLES": "4000"}, **options)
+    steady = collectives_per_step(tmp_path)[2:]  # steps 4 to 8
+    assert len(steady) == 5
+    stops = sum(step.pop(STOP_AGREEMENT, 0) for step in steady)
+    assert stops <= 1, f"the stop agreement ran {stops} times in 5 steps (about once a second)"
+    assert steady == [collections.Counter(per_step)] * 5, steady
