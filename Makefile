@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/pip install --quiet --constraint constraints.txt
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install dev train test test-fast lint bench clean
+.PHONY: install dev train test test-fast test-matrix lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,12 @@ test: dev lint
 
 test-fast: dev  # the unit tests: pure logic in this process, seconds
 	$(BIN)/pytest -q tests/unit
+
+# More of the combination matrix: make test-matrix N=200 SEED=7, or one case: make test-matrix CASE=<id>
+N ?= 40
+SEED ?= 1
+test-matrix: dev
+	MATRIX_N=$(N) MATRIX_SEED=$(SEED) MATRIX_CASE=$(CASE) $(BIN)/pytest -q tests/integration/test_matrix.py
 
 lint: dev
 	$(BIN)/ruff check src tests examples benchmarks docs
