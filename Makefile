@@ -36,6 +36,7 @@ test-matrix: dev
 lint: dev
 	$(BIN)/ruff check src tests examples benchmarks docs
 	$(BIN)/lint-imports  # the layers in pyproject.toml: dependencies point down, no cycles
+	$(BIN)/mypy  # types, and unreachable code (pyproject.toml's [tool.mypy])
 
 bench: install
 	$(BIN)/ddptrain bench

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .config import RunConfig, make_run_dir, parse_nproc, validate
 from .errors import ConfigError, Stopped, TrainingFailed  # noqa: F401 - ddptrain.api's names too
@@ -69,14 +69,14 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
     remote = remote_of(cfg.run_dir)
     if remote is not None:
         remote.check()  # credentials and bucket: one line, before any rank starts
-    make_run_dir(str(local_dir(cfg.run_dir)))  # type: ignore[arg-type]
+    make_run_dir(str(local_dir(cfg.run_dir)))
     if cfg.resume not in ("auto", "never"):
         from .snapshots.restore import check_resume_path
         check_resume_path(cfg.resume)
     if not isinstance(env, LocalEnvironment):  # torchrun or srun started this process
         from .launch.rank import run_rank, run_rank_or_leave
         run = run_rank_or_leave if leave_on_failure else run_rank
-        return run(cfg, factory, local_rank_arg), env.rank
+        return cast("Outcome", run(cfg, factory, local_rank_arg)), env.rank  # (@record's None: SystemExit(0))
     from .launch.group import check_comm_hook, resolve_device_kind
     from .launch.local import auto_nproc, launch_local, new_job_id
     from .resilience.hold import RunDirHold
@@ -90,7 +90,7 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
 
         say(f"ddptrain: a Kubeflow PyTorchJob pod (RANK={pod} of WORLD_SIZE={env.pods} pods): node {pod}, "
             f"{nproc} rank(s) here, {nproc * env.pods} in all, meeting at {env.master_addr}:{env.master_port}")
-    hold = RunDirHold(local_dir(cfg.run_dir), new_job_id(), remote).acquire() if pod == 0 else None  # type: ignore[arg-type]
+    hold = RunDirHold(local_dir(cfg.run_dir), new_job_id(), remote).acquire() if pod == 0 else None
     try:
         return launch_local(cfg, nproc, device_kind, factory, env), pod * nproc
     finally:
@@ -140,4 +140,4 @@ def summary_of(cfg: RunConfig) -> dict[str, Any]:
     """The finished run's summary (read from its metrics.jsonl)."""
     from .observe.report import summarize
 
-    return summarize(local_dir(cfg.with_run_dir().run_dir))  # type: ignore[arg-type]
+    return summarize(local_dir(cfg.with_run_dir().run_dir))

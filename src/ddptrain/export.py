@@ -54,10 +54,12 @@ def _steps(run_dir: Path) -> list[int]:
 def _dcp_model(folder: Path) -> dict[str, torch.Tensor]:
     """The ``model`` part of a DCP folder, as whole CPU tensors (shapes from its metadata)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     model = {key.removeprefix("model."): torch.empty(tuple(value.size), dtype=value.properties.dtype)
-             for key, value in metadata.items() if key.startswith("model.")}
+             for key, value in metadata.items()
+             if key.startswith("model.") and isinstance(value, TensorStorageMetadata)}
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": as meant, one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({"model": model}, checkpoint_id=folder, no_dist=True)
@@ -96,7 +98,7 @@ def _save_pretrained(run_dir: Path, weights: dict[str, torch.Tensor], out: Path)
     if unexpected or [k for k in missing if k not in tied]:
         raise ConfigError(f"the run's weights do not fit the task's model (missing {sorted(missing)[:3]}, "
                           f"unexpected {sorted(unexpected)[:3]}); was the task's code changed since the run?")
-    model.save_pretrained(out)
+    model.save_pretrained(out)  # type: ignore[operator]  # a transformers model: checked above
 
 
 def export_command_hint(run_dir: Path) -> str:

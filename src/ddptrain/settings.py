@@ -65,7 +65,8 @@ def setting_name(key: str) -> str:
 
 def from_options(options: Mapping[str, Any], where: str = "option") -> RunConfig:
     """A RunConfig from ``{field name or flag name: value}``; ConfigError for unknown names or bad values."""
-    values, spelled = {}, {}
+    values: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
     for key, value in options.items():
         name = setting_name(key)
         if name not in FIELDS:

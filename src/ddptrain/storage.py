@@ -36,8 +36,9 @@ def is_remote(run_dir: str | os.PathLike[str] | None) -> bool:
     return bool(run_dir) and "://" in str(run_dir) and not str(run_dir).startswith("file://")
 
 
-def local_dir(run_dir: str | os.PathLike[str]) -> Path:
+def local_dir(run_dir: str | os.PathLike[str] | None) -> Path:
     """The folder this machine works in: the run dir itself, or a remote one's local mirror."""
+    assert run_dir is not None, "a run dir is resolved first (RunConfig.with_run_dir)"
     if not is_remote(run_dir):
         return Path(run_dir)
     scheme, rest = str(run_dir).split("://", 1)
@@ -132,7 +133,7 @@ class RemoteDir:
         """The committed snapshots' names (``step-N.pt`` files, ``step-N`` DCP folders), oldest first."""
         names = set(self.names("snapshots"))
         done = [n for n in names if _SNAPSHOT.match(n) and f"{n}{MANIFEST}" in names]
-        return sorted(done, key=lambda n: int(_SNAPSHOT.match(n).group(1)))  # type: ignore[union-attr]
+        return sorted(done, key=lambda n: int(_SNAPSHOT.match(n).group(1)))  # type: ignore[union-attr]  # listed by that pattern
 
     def uncommitted(self) -> list[str]:
         """Snapshots whose upload never finished (no manifest): never loaded."""

@@ -178,7 +178,7 @@ class Trainer:
             if self._done() and self.cfg.epochs > 0:
                 return "already_finished"
             where = f"epoch {self.progress.epoch}, step {self.progress.global_step}"
-            self.reporter.info(f"resumed from {self.checkpointer.start.path}: {where}")  # type: ignore[union-attr]
+            self.reporter.info(f"resumed from {self.checkpointer.start.path}: {where}")  # type: ignore[union-attr]  # resume() found a start
             if isinstance(self.batches, StreamBatches) and not self.batches.stateful and self.progress.step_in_epoch:
                 self.reporter.info(f"the training stream has no state_dict(): reading epoch {self.progress.epoch} again"
                                    f" up to step {self.progress.step_in_epoch} (slower, still exact; docs/data.md)")
@@ -233,7 +233,7 @@ class Trainer:
                 self.losses.add(loss)
             self.first_step_at = self.first_step_at or time.time()
             shown = loss is not None and self.progress.global_step % LOSS_DISPLAY_EVERY == 0
-            self.reporter.step_done(loss * self.ctx.world_size if shown else None)  # rank 0's own mean loss
+            self.reporter.step_done(loss * self.ctx.world_size if shown and loss is not None else None)  # rank 0's mean
             ended = self._steps_reached()  # the run's last step: nothing can wait for a next one
             decision = self.stop_signal.check()
             stop = decision.stop and not ended
@@ -378,7 +378,7 @@ class Trainer:
                 value = self.task.step_fn(self.model, batch)
             else:
                 inputs, target = batch
-                value = self.task.loss_fn(self.model(inputs), target)  # type: ignore[misc]
+                value = self.task.loss_fn(self.model(inputs), target)  # type: ignore[misc]  # loss_fn is set when step_fn is not (check_task)
         except RuntimeError as error:
             clearer = self.strategy.explain(error, self.module, self.progress.global_step + 1)
             if clearer is None:
@@ -438,7 +438,7 @@ class Trainer:
         did not count, resume to the right figure); otherwise, what was counted."""
         if partial or self.steps_per_epoch is None:
             return self.progress.epoch_samples
-        return self.batches.epoch_samples  # type: ignore[union-attr]
+        return self.batches.epoch_samples  # type: ignore[union-attr]  # map-style here: TrainBatches
 
     def _reduce(self, with_figures: bool = False) -> dict[str, torch.Tensor]:
         """One all-reduce: the epoch's loss sums, whether every rank's losses and weights are
@@ -525,10 +525,10 @@ class Trainer:
     def _training_batches(self) -> TrainBatches | StreamBatches:
         cfg, ctx, task = self.cfg, self.ctx, self.task
         if is_stream(task.train_set):
-            return StreamBatches(task.train_set, ctx.rank, ctx.world_size, cfg.batch_size,  # type: ignore[arg-type]
+            return StreamBatches(task.train_set, ctx.rank, ctx.world_size, cfg.batch_size,  # type: ignore[arg-type]  # is_stream: an IterableDataset
                                  cfg.grad_accum, self.device, cfg.workers, task.collate_fn, cfg.seed,
                                  self.cpu_group, self.watchdog)
-        sampler = StepSampler(len(task.train_set), ctx.world_size, ctx.rank,  # type: ignore[arg-type]
+        sampler = StepSampler(len(task.train_set), ctx.world_size, ctx.rank,  # type: ignore[arg-type]  # map-style: it has a length
                               cfg.batch_size, cfg.grad_accum, cfg.seed)
         return TrainBatches(task.train_set, sampler, self.device, cfg.workers, task.collate_fn)
 

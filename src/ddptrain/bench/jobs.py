@@ -86,7 +86,7 @@ def mlp34m() -> torch.nn.Sequential:
 
 def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
     """What FSDP shards one at a time: mlp34m's blocks (every member but the first and last)."""
-    return list(model)[1:-1]  # type: ignore[call-overload]
+    return list(model)[1:-1]  # type: ignore[call-overload]  # a Sequential
 
 
 def byte_corpus() -> bytes:
@@ -159,5 +159,6 @@ def final_loss(job: Job, weights: dict[str, torch.Tensor]) -> float:
     model.load_state_dict(weights)
     data = job.train_set()
     with torch.no_grad():
-        batches = [data[i: i + 256] for i in range(0, len(data), 256)]  # type: ignore[arg-type]
-        return sum(job.loss(model, batch).item() * len(batch[0]) for batch in batches) / len(data)  # type: ignore[arg-type]
+        size = len(data)  # type: ignore[arg-type]  # a TensorDataset: it has a length
+        batches = [data[i: i + 256] for i in range(0, size, 256)]
+        return sum(job.loss(model, batch).item() * len(batch[0]) for batch in batches) / size

@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -36,7 +35,7 @@ from .jobs import JOBS, SEED, Job, blocks_of
 
 def _sampler_and_loader(job: Job, world: int, rank: int) -> tuple[DistributedSampler, DataLoader]:
     data = job.train_set()
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=SEED)
+    sampler: DistributedSampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=SEED)
     return sampler, DataLoader(data, batch_size=job.batch, sampler=sampler)
 
 
@@ -54,7 +53,8 @@ def _whole_weights(model: torch.nn.Module, sharded: bool) -> dict[str, torch.Ten
     if sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return cast(dict[str, torch.Tensor],
+                    get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
@@ -83,7 +83,7 @@ def _loop_rank(rank: int, world: int, job_name: str, epochs: int, out: str) -> N
             tick()
             job.loss(model, batch).backward()
             optimizer.step()
-    weights = _whole_weights(model if job.sharded else model.module, job.sharded)
+    weights = _whole_weights(model if job.sharded else cast(torch.nn.Module, model.module), job.sharded)
     if rank == 0:
         _save(weights, out)
     dist.barrier()  # rank 0 hosts the store: nobody tears down while another still talks to it
@@ -113,7 +113,7 @@ def run_lightning(job_name: str, nproc: int, epochs: int, out: str) -> None:
 
         def configure_model(self) -> None:  # ModelParallelStrategy: shard here, on the strategy's mesh
             if job.sharded:
-                _shard(self.model, self.device_mesh["data_parallel"])
+                _shard(self.model, self.device_mesh["data_parallel"])  # type: ignore[index]  # set by then
 
         def training_step(self, batch: Any, batch_index: int) -> torch.Tensor:
             tick()
@@ -184,4 +184,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -35,7 +35,7 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     if isinstance(batch, Mapping):
         moved = {k: to_device(v, device, non_blocking) for k, v in batch.items()}
         try:
-            return moved if type(batch) is dict else type(batch)(moved)  # type: ignore[call-arg]
+            return moved if type(batch) is dict else type(batch)(moved)  # type: ignore[call-arg]  # a Mapping subclass built from a dict
         except TypeError:  # a mapping type that cannot be built from a dict
             return moved
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
@@ -88,7 +88,7 @@ class _PlannedBatches(Sampler[list[int]]):
         self.owner = owner
 
     def __iter__(self) -> Iterator[list[int]]:
-        return (micro.indices.tolist() for micro in self.owner.plan())  # type: ignore[union-attr]
+        return (micro.indices.tolist() for micro in self.owner.plan())  # type: ignore[union-attr]  # planned micro-batches have indices
 
     def __len__(self) -> int:
         return self.owner.micro_batch_count()
@@ -139,7 +139,7 @@ class TrainBatches(_Batches):
         """The epoch's remaining optimizer steps, ``grad_accum`` micro-batches each."""
         if self.fast_path:
             pairs: Iterator[tuple[Any, MicroBatch]] = (
-                (tuple(t[micro.indices.to(self.device)] for t in self.tensors), micro)  # type: ignore[union-attr]
+                (tuple(t[micro.indices.to(self.device)] for t in self.tensors), micro)  # type: ignore[union-attr]  # likewise
                 for micro in self.plan())
         else:
             pairs = zip(self._moved(self.loader), self.plan())
@@ -181,7 +181,7 @@ class EvalBatches(_Batches):
                  workers: int = 0, collate_fn: Callable[..., Any] | None = None,
                  fast_path: bool | None = None, equal_counts: bool = False) -> None:
         super().__init__(dataset, device, workers, collate_fn, fast_path)
-        self.ranges = eval_batch_ranges(len(dataset), batch_size)  # type: ignore[arg-type]
+        self.ranges = eval_batch_ranges(len(dataset), batch_size)  # type: ignore[arg-type]  # map-style: it has a length
         self.shard = eval_shard(len(self.ranges), rank, world_size)
         most = math.ceil(len(self.ranges) / world_size)
         self.padding = most - len(self.shard) if equal_counts else 0

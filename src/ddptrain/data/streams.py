@@ -106,10 +106,10 @@ class StatefulStreamShare(StreamShare):
     where this reader stands in it, travel with every batch (StatefulDataLoader's protocol)."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"stream": self.stream.state_dict(), "position": self.position}  # type: ignore[attr-defined]
+        return {"stream": self.stream.state_dict(), "position": self.position}  # type: ignore[attr-defined]  # StatefulStreamShare: the stream is Stateful
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.stream.load_state_dict(state["stream"])  # type: ignore[attr-defined]
+        self.stream.load_state_dict(state["stream"])  # type: ignore[attr-defined]  # likewise
         self.position, self.resumed = state["position"], True
 
 
@@ -139,13 +139,14 @@ class StreamBatches:
             self.loader = StatefulDataLoader(self.share, batch_size=batch_size, num_workers=workers,
                                              collate_fn=collate_fn, pin_memory=device.type == "cuda",
                                              generator=self.generator)
-        self.saved: dict[str, Any] | None = None  # a snapshot's loader state, for the epoch it was taken in
+        self.saved: list[dict[str, Any]] | None = None  # every rank's loader state, for the epoch it was taken in
         self.stand_in: Any = None  # a batch to run with weight 0 when this rank's share has run out
         self.stand_ins_shared = False  # every rank holds a stand-in: agreements can overlap the steps
         self.read_any = False  # whether this rank's share ever gave a batch (its iterator works)
         self.exhausted = False  # this rank's share ran out this epoch: only stand-ins until it ends
         self.full_step = world_size * grad_accum * batch_size  # what each micro-batch is weighted as a part of
-        self.message, self.pending, self.total = torch.zeros(1, dtype=torch.float64), None, -1
+        self.message, self.total = torch.zeros(1, dtype=torch.float64), -1
+        self.pending: Any = None  # the overlapped agreement's work, read after the backward
 
     # --- state (a list by rank in a snapshot) -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -170,7 +171,7 @@ class StreamBatches:
         self.saved = None
 
     def _saved_loader_state(self) -> dict[str, Any]:
-        by_rank: list[dict[str, Any]] = self.saved  # type: ignore[assignment]
+        by_rank = self.saved or []
         saved = (len(by_rank), by_rank[0]["workers"])
         if saved != (self.world_size, self.workers):
             raise ConfigError(f"the snapshot stopped inside an epoch of an iterable training set read by "

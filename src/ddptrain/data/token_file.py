@@ -65,4 +65,4 @@ class TokenFile(Dataset):
 
     def __del__(self) -> None:
         if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)  # type: ignore[arg-type]
+            os.close(self._fd)  # type: ignore[arg-type]  # open: checked above

@@ -236,13 +236,13 @@ class LocalEnvironment(Environment):
     def detect(cls, env: Mapping[str, str]) -> bool:
         return True
 
-    rank = 0  # type: ignore[assignment]
-    local_rank = 0  # type: ignore[assignment]
-    world_size = 1  # type: ignore[assignment]
-    local_world_size = 1  # type: ignore[assignment]
+    rank = 0
+    local_rank = 0
+    world_size = 1
+    local_world_size = 1
 
     @property
-    def master_addr(self) -> str:  # type: ignore[override]
+    def master_addr(self) -> str:
         return self.env.get("MASTER_ADDR", "127.0.0.1")
 
     @property
@@ -284,7 +284,7 @@ class PyTorchJobPod(LocalEnvironment):
         return self._int("WORLD_SIZE")
 
     @property
-    def master_addr(self) -> str:  # type: ignore[override]
+    def master_addr(self) -> str:
         return self.env["MASTER_ADDR"]
 
     def validate(self) -> None:
@@ -370,7 +370,7 @@ def _expand_item(item: str) -> list[str]:
             raise ValueError(f"cannot read Slurm host list {item!r}")
         return [item]
     prefix, suffix = item[: match.start()], item[match.end():]
-    names = []
+    names: list[str] = []
     for part in match.group(1).split(","):
         bounds = _RANGE.match(part.strip())
         if not bounds:

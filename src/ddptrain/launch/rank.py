@@ -22,7 +22,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
@@ -68,7 +68,7 @@ def rank_entry(cfg: RunConfig, factory: TaskFactory | None) -> Outcome:
     gc.freeze()
     die_with_launcher()
     try:
-        outcome = run_rank(cfg, factory)
+        outcome = cast(Outcome, run_rank(cfg, factory))  # (@record's None is for SystemExit(0) only)
     except BaseException:  # @record has written the error file (or the watchdog thread has)
         leave(1)
         raise  # not reached
@@ -104,7 +104,7 @@ def leave_once_parked(grace_s: float = 0.5) -> None:
 
     def parked_on() -> Any:
         """The event the main thread is parked on in torch's ``_wrap``, or None."""
-        frame = sys._current_frames().get(main)  # type: ignore[arg-type]
+        frame = sys._current_frames().get(main)  # type: ignore[arg-type]  # the main thread's ident is set
         while frame is not None:
             caller = frame.f_back
             if (frame.f_code.co_name == "wait" and frame.f_code.co_filename.endswith("synchronize.py")
@@ -139,7 +139,7 @@ def run_rank_or_leave(cfg: RunConfig, factory: TaskFactory | None = None,
     """``ddptrain train`` as one rank under torchrun/srun: on failure, say so here (srun has no
     error files) and exit at once, without tearing down a process group whose peers may be gone."""
     try:
-        return run_rank(cfg, factory, local_rank_arg)
+        return cast(Outcome, run_rank(cfg, factory, local_rank_arg))  # (@record's None: SystemExit(0) only)
     except ConfigError:
         raise
     except BaseException as error:
@@ -173,7 +173,7 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
         watchdog.phase("start-up: building the task")
         task = tasks.build(cfg, factory)
         if not is_stream(task.train_set):
-            check_batch_fits(len(task.train_set), env.world_size, cfg.batch_size)  # type: ignore[arg-type]
+            check_batch_fits(len(task.train_set), env.world_size, cfg.batch_size)  # type: ignore[arg-type]  # map-style: it has a length
         with joined(env, device_kind, backend, cfg.timeout, store, watchdog) as ctx:
             status, reached = train(task, cfg, ctx)
     except ConfigError as error:  # the same on every rank: each returns it, the launcher says it once

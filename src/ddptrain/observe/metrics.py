@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -126,7 +126,7 @@ def _batch_sums(model: torch.nn.Module, batch: Any, task: Task) -> dict[str, Any
     inputs, target = batch
     output = model(inputs)
     count = target.shape[0]
-    sums = {"loss": task.loss_fn(output, target).double() * count}  # type: ignore[misc]
+    sums = {"loss": task.loss_fn(output, target).double() * count}  # type: ignore[misc]  # loss_fn is set when step_fn is not (check_task)
     sums.update({name: fn(output, target) for name, fn in task.metrics.items()})
     sums["samples"] = count
     return sums
@@ -159,7 +159,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def model_state_mb(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> float:
+def model_state_mb(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> float:
     """Parameters, gradients and optimizer state held by this rank (its shards under fsdp)."""
     def local_bytes(t: Any) -> int:
         if not isinstance(t, torch.Tensor):

@@ -176,7 +176,7 @@ class MlflowTracker(Tracker):
         try:
             return self.client.create_experiment(name)
         except MlflowException:  # another job created it a moment ago
-            return self.client.get_experiment_by_name(name).experiment_id
+            return self.client.get_experiment_by_name(name).experiment_id  # type: ignore[union-attr]  # it exists now
 
     def held(self) -> set[tuple[str, int]]:
         keys = self.client.get_run(self.run_id).data.metrics

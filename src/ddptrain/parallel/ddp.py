@@ -28,7 +28,7 @@ class DDPStrategy(Strategy):
             if not blocks:
                 raise no_blocks_error("--activation-checkpointing")
             checkpoint_blocks(module, blocks)
-        model = torch.compile(module) if self.cfg.compile else module
+        model: torch.nn.Module = torch.compile(module) if self.cfg.compile else module  # type: ignore[assignment]  # compile's stub says callable; a module's is one
         if self.ctx.world_size == 1:
             return model
         ddp = DDP(
@@ -38,7 +38,7 @@ class DDPStrategy(Strategy):
             forward_sync_buffers=False,  # the Trainer shares rank 0's buffers once per step (broadcast_buffers)
             static_graph=self.cfg.static_graph,
             find_unused_parameters=self.cfg.find_unused_parameters,
-            **({"bucket_cap_mb": self.cfg.bucket_cap_mb} if self.cfg.bucket_cap_mb else {}),
+            **({"bucket_cap_mb": self.cfg.bucket_cap_mb} if self.cfg.bucket_cap_mb else {}),  # type: ignore[arg-type]  # one keyword, not DDP's every parameter
         )
         register_comm_hook(ddp, self.cfg.comm_hook)
         self.needs_every_gradient = not (self.cfg.find_unused_parameters or self.cfg.static_graph)

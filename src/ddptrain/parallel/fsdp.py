@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..comm import DistContext
 from ..config import RunConfig
@@ -62,12 +62,12 @@ class FSDPStrategy(Strategy):
         # The root keeps its parameters gathered from forward to backward (torch's default for it:
         # the backward needs them at once); resharding it too cost an all-gather per micro-batch.
         fully_shard(module, reshard_after_forward=None, mp_policy=policy)
-        return torch.compile(module) if self.cfg.compile else module
+        return torch.compile(module) if self.cfg.compile else module  # type: ignore[return-value]  # compile's stub says callable; a module's is one
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
         """Accumulation micro-batches before the last: no reduce-scatter of gradients."""
-        module = getattr(model, "_orig_mod", model)
+        module = cast(FSDPModule, getattr(model, "_orig_mod", model))  # fully_shard made it one
         module.set_requires_gradient_sync(False)
         try:
             yield
@@ -90,4 +90,4 @@ class FSDPStrategy(Strategy):
     def full_model_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """model.pt: every rank helps gather the whole model; rank 0 receives it on CPU."""
         state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return state if self.ctx.is_main else None
+        return cast(dict[str, torch.Tensor], state) if self.ctx.is_main else None

@@ -59,7 +59,7 @@ class Board:
         """Every rank's newest heartbeat (None: it never published one)."""
         keys = [self._key(f"hb/{r}") for r in range(self.world_size)]
         if self.store.check(keys):
-            values = self.store.multi_get(keys)
+            values: list[bytes | None] = list(self.store.multi_get(keys))
         else:
             values = [self.store.get(k) if self.store.check([k]) else None for k in keys]
         return {rank: None if value is None else Heartbeat.decode(value.decode()) for rank, value in enumerate(values)}

@@ -26,11 +26,11 @@ def judge_hang(seen: dict[int, tuple[Heartbeat | None, float]], now: float, time
     if not waiting:
         return None
     beats = {rank: beat for rank, (beat, _) in seen.items()}
-    top = max(beats[r].arrivals for r in waiting)  # type: ignore[union-attr]
+    top = max(beats[r].arrivals for r in waiting)  # type: ignore[union-attr]  # the waiting ranks have beats
     culprits = [r for r, beat in sorted(beats.items())
                 if beat is None or beat.arrivals < top or (beat.arrivals == top and not beat.inside)]
     return {"kind": "hang", "rank": 0, "culprits": culprits, "waiting": waiting,
-            "label": beats[waiting[0]].where, "message": "hang"}  # type: ignore[union-attr]
+            "label": beats[waiting[0]].where, "message": "hang"}  # type: ignore[union-attr]  # likewise
 
 
 def hang_summary(verdict: dict[str, Any], stacks: dict[int, str | None], timeout_s: float,
@@ -44,7 +44,7 @@ def hang_summary(verdict: dict[str, Any], stacks: dict[int, str | None], timeout
              f"{timeout_s:g} s; rank {', '.join(map(str, waiting))} waited there."]
     for rank in culprits:
         if stacks.get(rank) is not None:
-            lines += [f"ddptrain: rank {rank} was in (innermost call last):", stacks[rank]]  # type: ignore[list-item]
+            lines += [f"ddptrain: rank {rank} was in (innermost call last):", stacks[rank]]  # type: ignore[list-item]  # stacks of the ranks named
         else:
             lines.append(f"ddptrain: rank {rank} did not answer: it never started, or its Python "
                          "interpreter is blocked")

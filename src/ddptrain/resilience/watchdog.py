@@ -55,8 +55,10 @@ class Watchdog(CollectiveMarks):
         self.timeout_s, self.period_s = timeout_s, period_s
         self.run_dir = Path(run_dir) if run_dir else None
         # Written by the rank's main thread, read by the watchdog thread.
-        self.arrivals, self.inside, self.label, self.step = 0, False, "start-up", None
-        self.waited_s, self.arrived_at = 0.0, None  # time spent inside timed collectives
+        self.arrivals, self.inside, self.label = 0, False, "start-up"
+        self.step: int | None = None
+        self.waited_s = 0.0  # time spent inside timed collectives
+        self.arrived_at: float | None = None
         self.main_thread = threading.get_ident()
         self.finished = threading.Event()
         self.acting = threading.Event()  # the thread is acting on a verdict: it ends the process
@@ -209,8 +211,10 @@ class NullWatchdog(Watchdog):
     """One rank, or a Trainer built without one: marks cost nothing and nothing runs."""
 
     def __init__(self) -> None:
-        self.arrivals, self.inside, self.label, self.step = 0, False, "", None
-        self.waited_s, self.arrived_at = 0.0, None
+        self.arrivals, self.inside, self.label = 0, False, ""
+        self.step: int | None = None
+        self.waited_s = 0.0
+        self.arrived_at: float | None = None
         self.board, self.thread = None, None
         self.finished, self.acting = threading.Event(), threading.Event()
 

@@ -38,6 +38,14 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class PerRank(Protocol):
+    """A state every rank has its own of: saved as a list by rank, loaded as that list."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, by_rank: list[dict[str, Any]]) -> None: ...
+
+
 class OneTable:
     """Several components' states in one table of the snapshot (their keys never clash): the
     ``progress`` table, as snapshots since 0.1 hold it."""
@@ -64,7 +72,7 @@ class Weights(Protocol):
 
 class Checkpointer:
     def __init__(self, cfg: RunConfig, ctx: DistContext, run_dir: Path, strategy: Any, marks: CollectiveMarks,
-                 weights: Weights, states: Mapping[str, Stateful], per_rank: Mapping[str, Stateful] | None = None,
+                 weights: Weights, states: Mapping[str, Stateful], per_rank: Mapping[str, PerRank] | None = None,
                  start: Snapshot | None = None, group: Any = None, remote: RemoteDir | None = None,
                  on_committed: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         """``per_rank``: states every rank has its own of (a stream's reading position), saved as
@@ -99,9 +107,9 @@ class Checkpointer:
         self.weights.load_state_dict(state, whole)
         for name, stateful in self.states.items():
             stateful.load_state_dict(state.get(name) or {})
-        for name, stateful in self.per_rank.items():
+        for name, by_rank in self.per_rank.items():
             if state.get(name) is not None:
-                stateful.load_state_dict(state[name])  # type: ignore[arg-type] - the list by rank
+                by_rank.load_state_dict(state[name])  # the list by rank
 
     def resume(self) -> bool:
         """Load the restore point into every component (and, on the same world size, this rank's

@@ -17,7 +17,7 @@ import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -78,7 +78,8 @@ class DCPWriter(files.BackgroundWrite):
             self._submit_remote(shards, meta, step, keep)
             return
         partial = partial_folder(directory, step)
-        saved = dcp.async_save(shards, checkpoint_id=partial, process_group=self.group)
+        # (a Future: async_save returns another type only when asked to, with async_stager)
+        saved = cast(Future, dcp.async_save(shards, checkpoint_id=partial, process_group=self.group))
         if self.committer is not None:
             final = directory / files.snapshot_name(step, folder=True)
             self.pending = self.committer.submit(commit, saved, meta or {}, partial, final, keep)
@@ -91,7 +92,7 @@ class DCPWriter(files.BackgroundWrite):
         assert self.remote is not None
         name = files.snapshot_name(step, folder=True)
         writer = FsspecWriter(self.remote.url_of(f"snapshots/{name}"))
-        saved = dcp.async_save(shards, storage_writer=writer, process_group=self.group)
+        saved = cast(Future, dcp.async_save(shards, storage_writer=writer, process_group=self.group))
         if self.committer is not None:
             self.pending = self.committer.submit(commit_remote, saved, meta or {}, self.remote, name, keep)
         else:

@@ -17,7 +17,7 @@ import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -43,7 +43,7 @@ def snapshot_name(global_step: int, folder: bool = False) -> str:
 
 
 def snapshot_step(path: Path) -> int:
-    return int(_NAME.match(path.name).group(1))  # type: ignore[union-attr]
+    return int(_NAME.match(path.name).group(1))  # type: ignore[union-attr]  # listed by that pattern
 
 
 def list_snapshots(directory: Path) -> list[Path]:
@@ -186,8 +186,8 @@ def load_newest(directory: Path, map_location: str | torch.device = "cpu"
         except SnapshotError as error:
             skipped.append(error)
             continue
-        for error in skipped:
-            warnings.warn(f"{error}; resuming from the previous snapshot", stacklevel=2)
+        for broken in skipped:
+            warnings.warn(f"{broken}; resuming from the previous snapshot", stacklevel=2)
         return found
     if candidates:
         newest = str(skipped[0]).split(" ", 2)[-1]
@@ -252,7 +252,7 @@ def capture_rng() -> dict[str, Any]:
 
     import numpy as np
 
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = cast(tuple, np.random.get_state(legacy=True))
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],

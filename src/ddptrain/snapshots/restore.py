@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -73,7 +73,7 @@ def restore_point(cfg: RunConfig, ctx: DistContext, run_dir: Path, module: torch
     if not path.exists():
         raise StorageNotShared(ctx.rank, path)
     snapshot = chosen or Snapshot(path, files.load_snapshot(path))
-    current = snapshot_dcp.whole_shapes(get_model_state_dict(module))
+    current = snapshot_dcp.whole_shapes(cast(dict[str, torch.Tensor], get_model_state_dict(module)))
     if path.is_dir():
         files.check_model_matches(current, snapshot_dcp.saved_shapes(path), path)
         snapshot.state.update(snapshot_dcp.load_shards(path, strategy.state(module, optimizer)))
@@ -112,7 +112,7 @@ def _choose(cfg: RunConfig, snapshots: Path, run_dir: Path,
     except ConfigError as error:
         return {"error": str(error)}
     if found is None:
-        moved = move_aside(run_dir)
+        moved: Path | str | None = move_aside(run_dir)
         if remote is not None:
             moved = remote.move_aside(time.strftime("%Y%m%d-%H%M%S"))
         if moved is not None:

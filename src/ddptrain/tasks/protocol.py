@@ -70,18 +70,18 @@ def check_task(task: Any, name: str) -> None:
             raise ConfigError(f"--task {name}: Task.{name_} is {type(value).__name__}, not a function")
     if not isinstance(task.train_set, IterableDataset):  # map-style: every rank samples its own share
         try:
-            len(task.train_set)  # type: ignore[arg-type]
+            len(task.train_set)  # type: ignore[arg-type]  # probing for a length: a TypeError is the answer
         except TypeError:
             raise ConfigError(f"--task {name}: Task.train_set has no len(); give a map-style data set "
                               "(torch.utils.data.Dataset with __len__ and __getitem__) or an IterableDataset "
                               "(see docs/data.md)") from None
-        if len(task.train_set) == 0:  # type: ignore[arg-type]
+        if len(task.train_set) == 0:  # type: ignore[arg-type]  # map-style: checked above
             raise ConfigError(f"--task {name}: Task.train_set is empty")
     if task.eval_set is not None:
         if isinstance(task.eval_set, IterableDataset) or not hasattr(task.eval_set, "__len__"):
             raise ConfigError(f"--task {name}: Task.eval_set must be a map-style data set (__len__ and "
                               "__getitem__), so that every rank evaluates its own batches")
-        if len(task.eval_set) == 0:  # type: ignore[arg-type]
+        if len(task.eval_set) == 0:
             raise ConfigError(f"--task {name}: Task.eval_set is empty; give it samples, or leave it None "
                               "to train without evaluation")
 
