@@ -112,6 +112,10 @@ def report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         raise ConfigError(f"{run_dir}: no metrics.jsonl here; give the --run-dir of a run")
+    if args.sync:  # a wrong name is refused before anything is printed or written
+        from .observe.trackers import tracker_named
+
+        tracker_named(args.sync)
     summary = summarize(run_dir)
     print(format_summary(summary) if summary else f"{run_dir}: no epoch finished yet")
     note = plot_curves(run_dir)

@@ -278,6 +278,9 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(message)
     parse_nproc(cfg.nproc)
     _check_strategy_options(cfg)
+    if cfg.tracker.strip() and any(not name.strip() for name in cfg.tracker.split(",")):
+        raise ConfigError(f"--tracker {cfg.tracker!r}: an empty tracker name; give names separated by single "
+                          f"commas, from {', '.join(TRACKERS)}")
     unknown = [name for name in cfg.trackers() if name not in TRACKERS]
     if unknown:
         raise ConfigError(f"--tracker {unknown[0]}: unknown tracker; choose from {', '.join(TRACKERS)} "

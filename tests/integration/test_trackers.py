@@ -87,6 +87,13 @@ def test_unknown_tracker_and_sync_of_a_server_that_is_down_are_one_line_errors(t
     assert result.returncode == 2, result.stdout + result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert result.stderr.startswith("ddptrain: error: --sync mlflow: ") and "reachable" in result.stderr
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    unknown = ddptrain_cli("report", str(fresh), "--sync", "nosuch")  # refused before any output or file
+    assert unknown.returncode == 2 and unknown.stdout == "" and not (fresh / "curves.png").exists()
+    assert unknown.stderr.strip() == ("ddptrain: error: --sync nosuch: unknown tracker; choose one of csv, "
+                                      "tensorboard, mlflow, wandb")
 
 
 DIGITS_EPOCHS = [23, 46, 69, 92]  # digits on 2 ranks x 32: 23 steps per epoch

@@ -101,3 +101,9 @@ def test_one_setting_spelled_twice_in_a_settings_file_is_refused(tmp_path):
         prepare("regression", {}, str(tmp_path / "both.toml"))
     (tmp_path / "one.toml").write_text("max-epochs = 3\n")
     assert prepare("regression", {"max_epochs": 4}, str(tmp_path / "one.toml"))[0].max_epochs == 4  # flags win
+
+
+@pytest.mark.parametrize("given", ["csv,,mlflow", "csv,", " , "])
+def test_an_empty_tracker_name_is_one_line(given):
+    with pytest.raises(ConfigError, match=r"^--tracker .*: an empty tracker name; give names separated by single"):
+        prepare("regression", {"tracker": given})

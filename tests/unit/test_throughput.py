@@ -33,3 +33,8 @@ def test_tokens_per_second_and_mfu_follow_from_the_counts():
 
 def test_cpus_have_no_peak_unless_given():
     assert device_peak_tflops(torch.device("cpu")) is None
+
+
+def test_a_small_models_tflops_keep_three_significant_digits():
+    record = throughput_record(64, 1.0, 8, 1.2345e7, None, 0.5, 2)  # 8 steps of 12.3 MFLOP in 1 s
+    assert record["tflops"] == 9.88e-5 and record["mfu"] == 9.88e-5

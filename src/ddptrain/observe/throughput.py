@@ -71,9 +71,9 @@ def throughput_record(samples: int, seconds: float, steps: int, job_flops_per_st
         record["tokens_per_s"] = round(samples * tokens_per_sample / seconds, 1)
     if job_flops_per_step:
         achieved = job_flops_per_step * steps / seconds / 1e12
-        record["tflops"] = round(achieved, 4)
+        record["tflops"] = float(f"{achieved:.3g}")  # 3 significant digits: a small model's too
         if peak_tflops:
-            record["mfu"] = round(achieved / (peak_tflops * world_size), 4)
+            record["mfu"] = float(f"{achieved / (peak_tflops * world_size):.3g}")
     return record
 
 
