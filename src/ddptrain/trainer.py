@@ -43,7 +43,7 @@ from .resilience.ray_train import RayReports
 from .resilience.stop_signals import StopSignal
 from .snapshots.checkpointer import Checkpointer, OneTable
 from .snapshots.files import atomic_save
-from .snapshots.restore import Snapshot, restore_point, resumed_config
+from .snapshots.restore import restore_point, resumed_config
 from .storage import local_dir, remote_of
 from .tasks.protocol import Task, check_pair, check_task, split_loss
 
@@ -182,7 +182,8 @@ class Trainer:
             if isinstance(self.batches, StreamBatches) and not self.batches.stateful and self.progress.step_in_epoch:
                 self.reporter.info(f"the training stream has no state_dict(): reading epoch {self.progress.epoch} again"
                                    f" up to step {self.progress.step_in_epoch} (slower, still exact; docs/data.md)")
-        self.reporter.begin(self.cfg, resumed_step=self._metrics_kept_through(self.start))
+        resumed_at = None if self.start is None else (self.progress.global_step, self.progress.epoch)
+        self.reporter.begin(self.cfg, resumed_at)
         if self.start is None:
             self.reporter.info(f"training {self.cfg.task} on {self.ctx.world_size} rank(s), "
                                f"{self.device.type}/{self.ctx.backend}, global batch {self.global_batch}, "
@@ -514,13 +515,6 @@ class Trainer:
         """``whole``: the model and optimizer tensors are whole (as in a file snapshot), not
         this rank's shards."""
         self.checkpointer.load_state_dict(state, whole)
-
-    def _metrics_kept_through(self, start: Snapshot | None) -> int | None:
-        """The last step whose metrics.jsonl records stay on resume (later steps run again)."""
-        if start is None:
-            return None
-        at_epoch_end = self.progress.step_in_epoch == self.steps_per_epoch  # its record is logged again (0.2)
-        return self.progress.global_step - 1 if at_epoch_end else self.progress.global_step
 
     def _training_batches(self) -> TrainBatches | StreamBatches:
         cfg, ctx, task = self.cfg, self.ctx, self.task

