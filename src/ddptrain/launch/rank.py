@@ -27,7 +27,7 @@ from typing import Any, cast
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from .. import tasks
-from ..comm import round_prefix
+from ..comm import DistContext, round_prefix
 from ..config import RunConfig
 from ..console import say
 from ..data import is_stream
@@ -37,7 +37,7 @@ from ..resilience.hold import RunDirHold, job_id
 from ..resilience.stop_signals import PREEMPTED_EXIT_CODE
 from ..resilience.watchdog import NullWatchdog, Watchdog
 from ..storage import RemoteDir, local_dir, remote_of
-from ..tasks.protocol import TaskFactory
+from ..tasks.protocol import Task, TaskFactory
 from ..trainer import Trainer
 from .environments import detect
 from .group import connect_store, hosts_store, joined, resolve_device_kind
@@ -196,7 +196,7 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
     return status, outcome_message(status, cfg, reached)
 
 
-def train(task: Any, cfg: RunConfig, ctx: Any) -> tuple[str, tuple[int, int]]:
+def train(task: Task, cfg: RunConfig, ctx: DistContext) -> tuple[str, tuple[int, int]]:
     """The Trainer's outcome and where the run stands (epoch, global step). The Trainer lives
     in this frame only: it (and DDP's reducer, which holds the process group) must be gone
     before the group is left, or interpreter exit can deadlock in gloo (DESIGN.md's pitfalls)."""
