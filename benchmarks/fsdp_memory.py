@@ -1,13 +1,15 @@
 """Memory and speed of --strategy ddp and fsdp on a ~34M-parameter MLP (32 blocks of 1024x1024)
-with AdamW, 2 ranks, through `ddptrain train`: fsdp as it is, with --lean-cpu-memory (glibc's
-mmap threshold fixed at 1 MiB), and with torch's THP_MEM_ALLOC_ENABLE=1 (large CPU tensors
-aligned to 2 MiB huge pages; read when torch starts, so it is set for the whole command).
+with AdamW, 2 ranks, CPU: ddptrain at its defaults (CPU ranks under mimalloc, launch/allocator.py),
+fsdp under glibc's allocator (DDPTRAIN_ALLOCATOR=system), fsdp with --lean-cpu-memory under glibc,
+and the hand-written FSDP2 loop of `ddptrain bench` (`fully_shard` per block, mp.spawn, glibc).
 
     python benchmarks/fsdp_memory.py [--reps 3]
 
-Model state: parameters + gradients + optimizer state held by the largest rank. Peak RSS: the
-largest process's peak resident memory (both from metrics.jsonl's memory_mb). samples/s: the
-last epoch's, as metrics.jsonl reports it; medians over the repetitions, which alternate.
+samples/s: the steady rate of the bench's step clock (bench/clock.py: every contender's loss ticks
+it; the first 5 steps left out). Peak RSS: the largest process of the job (getrusage of the
+children, in a fresh wrapper per run). Model state: parameters + gradients + optimizer state of the
+largest ddptrain rank (metrics.jsonl). Medians over the repetitions, whose order rotates; the
+ranges are the spread.
 """
 
 import argparse
@@ -19,20 +21,39 @@ import sys
 import tempfile
 from pathlib import Path
 
-VARIANTS = {"ddp": (["--strategy", "ddp"], {}), "fsdp": (["--strategy", "fsdp"], {}),
-            "fsdp --lean-cpu-memory": (["--strategy", "fsdp", "--lean-cpu-memory"], {}),
-            "fsdp, THP_MEM_ALLOC_ENABLE=1": (["--strategy", "fsdp"], {"THP_MEM_ALLOC_ENABLE": "1"})}
+from ddptrain.bench.clock import steady_rate
+
+STEPS = 32  # 2 epochs of 512 samples at 2 x 16
+TRAIN = [sys.executable, "-m", "ddptrain", "train", "--task", "ddptrain.bench.jobs:bench_task", "--nproc", "2",
+         "--max-epochs", "2", "--batch-size", "16", "--save-seconds", "0"]
+LOOP = [sys.executable, "-m", "ddptrain.bench.loops", "--loop", "loop", "--job", "fsdp", "--nproc", "2",
+        "--epochs", "2"]
+SYSTEM = {"DDPTRAIN_ALLOCATOR": "system"}
+VARIANTS = {"ddp": (TRAIN + ["--strategy", "ddp"], {}),
+            "fsdp": (TRAIN + ["--strategy", "fsdp"], {}),
+            "fsdp, glibc": (TRAIN + ["--strategy", "fsdp"], SYSTEM),
+            "fsdp --lean-cpu-memory, glibc": (TRAIN + ["--strategy", "fsdp", "--lean-cpu-memory"], SYSTEM),
+            "hand-written fully_shard loop": (LOOP, {})}
+# Runs the job and prints the largest peak RSS among the processes it started (KiB on Linux).
+WRAPPER = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); "
+           "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
 
 
-def run(flags: list[str], env: dict[str, str]) -> dict:
-    with tempfile.TemporaryDirectory() as run_dir:
-        subprocess.run([sys.executable, "-m", "ddptrain", "train", "--task", "ddptrain.bench.jobs:mlp34m_task",
-                        "--nproc", "2", "--max-epochs", "2", "--batch-size", "16", "--save-seconds", "0",
-                        "--run-dir", run_dir, *flags], check=True, capture_output=True,
-                       env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **env})
-        last = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()][-1]
-    return {"samples_per_s": last["samples_per_s"], "state_mb": last["memory_mb"]["model_state_mb"]["max"],
-            "rss_mb": last["memory_mb"]["peak_rss_mb"]["max"]}
+def run(command: list[str], env: dict[str, str]) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        clock = Path(out) / "clock.json"
+        place = ["--out", out] if command is LOOP else ["--run-dir", out]
+        done = subprocess.run([sys.executable, "-c", WRAPPER, *command, *place], check=True, capture_output=True,
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                                              "DDPTRAIN_BENCH_JOB": "fsdp", "DDPTRAIN_BENCH_CLOCK": str(clock),
+                                              "DDPTRAIN_BENCH_STEPS": str(STEPS), **env})
+        figures = {"samples_per_s": steady_rate(json.loads(clock.read_text()), 32),
+                   "rss_mb": int(done.stdout.split()[-1]) / 1024, "state_mb": float("nan")}
+        metrics = Path(out) / "metrics.jsonl"
+        if metrics.exists():
+            last = json.loads(metrics.read_text().splitlines()[-1])
+            figures["state_mb"] = last["memory_mb"]["model_state_mb"]["max"]
+    return figures
 
 
 def main() -> None:
@@ -46,15 +67,15 @@ def main() -> None:
             results[name].append(run(*VARIANTS[name]))
             print(f"  rep {rep} {name:32s} {results[name][-1]}", flush=True)
     median = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
-    print(f"\n{'strategy':32s} {'samples/s (min-max)':>20s} {'vs fsdp':>7s} {'model state MB':>15s} "
-          f"{'peak RSS MB':>12s} {'RSS vs ddp':>11s}")
+    loop = median["hand-written fully_shard loop"]["samples_per_s"]
+    print(f"\n{'contender':32s} {'samples/s (min-max)':>20s} {'vs loop':>7s} {'model state MB':>15s} "
+          f"{'peak RSS MB (min-max)':>22s} {'RSS vs ddp':>11s}")
     for name, figures in median.items():
-        rates = [r["samples_per_s"] for r in results[name]]
+        rates, peaks = [r["samples_per_s"] for r in results[name]], [r["rss_mb"] for r in results[name]]
         rate = f"{figures['samples_per_s']:.1f} ({min(rates):.1f}-{max(rates):.1f})"
-        speed, memory = (figures["samples_per_s"] / median["fsdp"]["samples_per_s"],
-                         figures["rss_mb"] / median["ddp"]["rss_mb"])
-        print(f"{name:32s} {rate:>20s} {speed:7.2f} {figures['state_mb']:15,.1f} {figures['rss_mb']:12,.0f} "
-              f"{memory:11.2f}")
+        peak = f"{figures['rss_mb']:,.0f} ({min(peaks):,.0f}-{max(peaks):,.0f})"
+        speed, memory = figures["samples_per_s"] / loop, figures["rss_mb"] / median["ddp"]["rss_mb"]
+        print(f"{name:32s} {rate:>20s} {speed:7.2f} {figures['state_mb']:15,.1f} {peak:>22s} {memory:11.2f}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 from .config import RunConfig, make_run_dir, parse_nproc, validate
 from .errors import ConfigError, Stopped, TrainingFailed  # noqa: F401 - ddptrain.api's names too
 from .settings import from_options, read_settings_file, setting_name
-from .storage import local_dir, remote_of
+from .storage import check_location, local_dir, remote_of
 
 if TYPE_CHECKING:  # torch is imported only once the settings are known to be good
     from .launch.rank import Outcome
@@ -39,9 +39,10 @@ def prepare(task: str | TaskFactory | None, options: Mapping[str, Any],
     cfg = from_options(settings)
     validate(cfg)
     if cfg.trackers():
-        from .observe.trackers import check_installed
+        from .observe.trackers import check_installed, check_settings
 
         check_installed(cfg.trackers())
+        check_settings(cfg.trackers())
     if factory is None:
         from . import tasks
 
@@ -66,6 +67,7 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
     env = detect(local_rank_arg=local_rank_arg)
     env.validate()
     cfg = cfg.with_run_dir()
+    check_location(cfg.run_dir)  # the URL's shape and client: one line, before any request
     remote = remote_of(cfg.run_dir)
     if remote is not None:
         remote.check()  # credentials and bucket: one line, before any rank starts

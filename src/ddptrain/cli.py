@@ -79,6 +79,7 @@ def build_parser() -> OneLineParser:
     export.add_argument("--snapshot", type=int, default=None, metavar="N",
                         help="the snapshot of global step N instead of model.pt (an FSDP run's DCP folder too)")
     export.add_argument("--out", required=True, help="the file (safetensors, torch) or folder (hf) to write")
+    export.add_argument("--force", action="store_true", help="replace --out if it exists")
     commands.add_parser("bench", help="benchmark ddptrain against hand-written DDP loops and peers "
                         "(see ddptrain bench --help)")
     return parser
@@ -108,14 +109,15 @@ def train(args: argparse.Namespace) -> int:
 
 def report(args: argparse.Namespace) -> int:
     from .observe.report import format_summary, plot_curves, summarize
+    from .storage import readable_copy
 
-    run_dir = Path(args.run_dir)
-    if not (run_dir / "metrics.jsonl").is_file():
-        raise ConfigError(f"{run_dir}: no metrics.jsonl here; give the --run-dir of a run")
-    if args.sync:  # a wrong name is refused before anything is printed or written
+    if args.sync:  # a wrong name is refused before anything is printed, written or fetched
         from .observe.trackers import tracker_named
 
         tracker_named(args.sync)
+    run_dir = readable_copy(args.run_dir)  # a store's run: copied down beside its mirror
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise ConfigError(f"{args.run_dir}: no metrics.jsonl here; give the --run-dir of a run")
     summary = summarize(run_dir)
     print(format_summary(summary) if summary else f"{run_dir}: no epoch finished yet")
     note = plot_curves(run_dir)
@@ -123,7 +125,7 @@ def report(args: argparse.Namespace) -> int:
     if (run_dir / "model.pt").is_file():
         from .export import export_command_hint
 
-        print(export_command_hint(run_dir))
+        print(export_command_hint(args.run_dir))
     if args.sync:
         print(sync_tracker(run_dir, args.sync, summary))
     return 0
@@ -142,9 +144,13 @@ def sync_tracker(run_dir: Path, name: str, summary: dict[str, Any]) -> str:
 
 
 def export_command(args: argparse.Namespace) -> int:
-    from .export import export
+    from .export import check_out, export
+    from .storage import readable_copy
 
-    print(export(Path(args.run_dir), args.format, Path(args.out), args.snapshot))
+    out = Path(args.out)
+    check_out(out, args.force)  # before anything is fetched or read
+    run_dir = readable_copy(args.run_dir, snapshots=args.snapshot is not None)
+    print(export(run_dir, args.format, out, args.snapshot, args.force, shown=args.run_dir))
     return 0
 
 
@@ -178,7 +184,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def entry() -> None:
     """The ``ddptrain`` command. Once the work is done (files closed, output flushed, ranks
     gone), the process ends without the interpreter's teardown: with torch._dynamo loaded (DDP
-    imports it) that teardown took 0.75 s of a 3.9 s one-epoch command, and does nothing."""
+    imports it) that teardown took 0.75 s of a 3.9 s one-epoch command, and does nothing.
+    ``train`` on a CPU machine first re-executes itself with mimalloc (launch/allocator.py)."""
+    from .launch.allocator import forget_preload, reexec_with_mimalloc
+
+    reexec_with_mimalloc(sys.argv[1:])
+    forget_preload()
     from .resilience.failures import hard_exit
 
     hard_exit(main())

@@ -121,10 +121,11 @@ class RunConfig:
     comm_hook: str = _opt("ddp: gradient communication hook",
                           choices=("none", "fp16", "bf16", "powersgd"), default="none")
     compile: bool = _opt("torch.compile the model before wrapping it", default=False)
-    lean_cpu_memory: bool = _opt("CPU: give every freed buffer over 1 MiB back to the OS at once (glibc's mmap "
-                                 "threshold) instead of keeping it for reuse; under fsdp the peak resident memory "
-                                 "then falls to about half, at about half the speed (README: FSDP); no effect on "
-                                 "GPUs", default=False)
+    lean_cpu_memory: bool = _opt("CPU ranks under glibc's allocator (fit(), or DDPTRAIN_ALLOCATOR=system): give "
+                                 "every freed buffer over 1 MiB back to the OS at once (glibc's mmap threshold); "
+                                 "under fsdp the peak resident memory then falls to about 0.6x, at about half the "
+                                 "speed (README: FSDP); no effect under mimalloc (ddptrain train's CPU default) "
+                                 "or on GPUs", default=False)
     static_graph: bool = _opt("ddp: tell DDP the graph is the same every step", default=False)
     bucket_cap_mb: float | None = _opt("ddp: gradient bucket size in MiB (default: DDP's own, 25)",
                                        default=None)

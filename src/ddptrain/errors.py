@@ -39,6 +39,11 @@ class NonFiniteError(RuntimeError):
     """The loss or the weights stopped being finite; nothing non-finite was saved."""
 
 
+class DiskFull(RuntimeError):
+    """A write into the run dir found no space: one line (where, how much was free, what was
+    being written, which snapshot is intact), exit status 1."""
+
+
 class SnapshotError(ConfigError):
     """A snapshot cannot be used: one line naming the file and the problem."""
 

@@ -13,6 +13,8 @@ process (DCP's own loader, no process group). They are written as
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -66,40 +68,116 @@ def _dcp_model(folder: Path) -> dict[str, torch.Tensor]:
     return model
 
 
-def export(run_dir: Path, fmt: str, out: Path, snapshot: int | None = None) -> str:
-    """Write the run's weights as ``fmt`` to ``out``; the line to print."""
+def export(run_dir: Path, fmt: str, out: Path, snapshot: int | None = None, force: bool = False,
+           shown: str | None = None) -> str:
+    """Write the run's weights as ``fmt`` to ``out`` (written aside, then moved in: an export cut
+    short leaves no part); the line to print. ``shown``: the run dir as the user named it."""
+    check_out(out, force)
     weights = run_weights(run_dir, snapshot)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if fmt == "safetensors":
-        from safetensors.torch import save_file
+    model = _pretrained_model(run_dir, weights) if fmt == "hf" else None
+    aside = out.with_name(f".{out.name}.{os.getpid()}.export")
+    try:
+        if fmt == "safetensors":
+            from safetensors.torch import save_file
 
-        save_file({k: v.detach().contiguous().clone() for k, v in weights.items()}, str(out),
-                  metadata={"ddptrain_run": str(run_dir), "step": str(snapshot or "final")})
-    elif fmt == "torch":
-        torch.save({k: v.detach().clone() for k, v in weights.items()}, out)
+            save_file({k: v.detach().contiguous().clone() for k, v in weights.items()}, str(aside),
+                      metadata={"ddptrain_run": shown or str(run_dir), "step": str(snapshot or "final")})
+        elif fmt == "torch":
+            torch.save({k: v.detach().clone() for k, v in weights.items()}, aside)
+        else:
+            model.save_pretrained(aside)  # type: ignore[union-attr]  # a transformers model: _pretrained_model
+        _replace(aside, out)
+    except OSError as error:
+        raise ConfigError(f"--out {out}: cannot write it ({error.strerror or error}); choose a place with room "
+                          "you can write to") from None
+    finally:
+        shutil.rmtree(aside, ignore_errors=True) if aside.is_dir() else aside.unlink(missing_ok=True)
+    step = f"step {snapshot}" if snapshot else "model.pt"
+    return f"ddptrain export: {shown or run_dir} ({step}) -> {out} ({fmt})"
+
+
+def check_out(out: Path, force: bool) -> None:
+    """An existing ``--out`` is replaced only with ``--force``; its folder must be writable."""
+    if out.exists() and not force:
+        raise ConfigError(f"--out {out} exists; pass --force to replace it, or choose another --out")
+    if out.is_dir() and not (out / "config.json").is_file() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} is a folder that is not an export (no config.json); choose another --out")
+    folder = out.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"--out {out}: cannot create {folder} ({error.strerror or error}); choose a place "
+                          "you can write to") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: {folder} is not writable; choose a place you can write to")
+
+
+def _replace(aside: Path, out: Path) -> None:
+    """``aside`` becomes ``out``: a file in one rename; a folder replaces the old one after it is whole."""
+    if out.is_dir():
+        old = out.with_name(f".{out.name}.{os.getpid()}.old")
+        os.replace(out, old)
+        os.replace(aside, out)
+        shutil.rmtree(old)
+    elif out.exists() and aside.is_dir():
+        out.unlink()
+        os.replace(aside, out)
     else:
-        _save_pretrained(run_dir, weights, out)
-    return f"ddptrain export: {run_dir} ({'step ' + str(snapshot) if snapshot else 'model.pt'}) -> {out} ({fmt})"
+        os.replace(aside, out)
 
 
-def _save_pretrained(run_dir: Path, weights: dict[str, torch.Tensor], out: Path) -> None:
-    from . import tasks
-    from .settings import from_options
+def _pretrained_model(run_dir: Path, weights: dict[str, torch.Tensor]) -> Any:
+    """The run's transformers model with ``weights``: from hf_model.json (its class and config,
+    written beside model.pt) without the task, else by calling the run's task factory."""
+    from .snapshots.files import HF_MODEL
 
-    settings: dict[str, Any] = json.loads((run_dir / "config.json").read_text())
-    cfg = from_options({k: v for k, v in settings.items() if v is not None})
-    task = tasks.build(cfg)  # the same seed: the same model the run started from
-    model = task.model
-    if not hasattr(model, "save_pretrained"):
-        raise ConfigError(f"the task {cfg.task}'s model is a {type(model).__name__}, not a transformers model; "
-                          "--format hf needs one: use --format safetensors or torch")
+    described = run_dir / HF_MODEL
+    if described.is_file():
+        model = _from_description(json.loads(described.read_text()))
+    else:
+        model = _from_task(run_dir)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     if unexpected or [k for k in missing if k not in tied]:
         raise ConfigError(f"the run's weights do not fit the task's model (missing {sorted(missing)[:3]}, "
                           f"unexpected {sorted(unexpected)[:3]}); was the task's code changed since the run?")
-    model.save_pretrained(out)  # type: ignore[operator]  # a transformers model: checked above
+    return model
 
 
-def export_command_hint(run_dir: Path) -> str:
-    return f"export: ddptrain export {run_dir} --format safetensors --out {run_dir / 'model.safetensors'}"
+def _from_description(description: dict[str, Any]) -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("--format hf needs transformers; pip install 'ddptrain[hf]'") from None
+    cls = getattr(transformers, description["class"], None)
+    if cls is None:
+        raise ConfigError(f"--format hf: this transformers ({transformers.__version__}) has no "
+                          f"{description['class']}; install the version the run trained with")
+    config = cls.config_class.from_dict(description["config"])
+    return cls(config)
+
+
+def _from_task(run_dir: Path) -> Any:
+    """A run from before hf_model.json: the task factory rebuilds the model (it may need the data)."""
+    from . import tasks
+    from .settings import from_options
+
+    settings: dict[str, Any] = json.loads((run_dir / "config.json").read_text())
+    cfg = from_options({k: v for k, v in settings.items() if v is not None})
+    try:
+        model = tasks.build(cfg).model  # the same seed: the same model the run started from
+    except Exception as error:  # noqa: BLE001 - the user's factory: any failure is named, in one line
+        message = " ".join(str(error).split())[:240]
+        cause = message if isinstance(error, ConfigError) else f"{type(error).__name__}: {message}"
+        raise ConfigError(f"--format hf: {run_dir} has no hf_model.json (trained before ddptrain wrote it), and "
+                          f"rebuilding its model from the task {cfg.task} failed ({cause}); make the task's code "
+                          "and data reachable again, or use --format safetensors") from None
+    if not hasattr(model, "save_pretrained"):
+        raise ConfigError(f"the task {cfg.task}'s model is a {type(model).__name__}, not a transformers model; "
+                          "--format hf needs one: use --format safetensors or torch")
+    return model
+
+
+def export_command_hint(run_dir: str) -> str:
+    out = Path(run_dir).name if "://" in run_dir else str(Path(run_dir) / "model")
+    return f"export: ddptrain export {run_dir} --format safetensors --out {out}.safetensors"

@@ -29,7 +29,7 @@ from .errors import ConfigError
 MANIFEST = ".manifest"
 _SNAPSHOT = re.compile(r"^step-(\d{9})(\.pt)?$")
 # What makes a run (copied up as written, down at start); the rest of a run dir is the machine's.
-RUN_FILES = ("metrics.jsonl", "config.json", "trackers.json", "metrics.csv")
+RUN_FILES = ("metrics.jsonl", "config.json", "trackers.json", "metrics.csv", "hf_model.json")
 
 
 def is_remote(run_dir: str | os.PathLike[str] | None) -> bool:
@@ -45,6 +45,38 @@ def local_dir(run_dir: str | os.PathLike[str] | None) -> Path:
     cache = Path(os.environ.get("DDPTRAIN_CACHE") or Path.home() / ".cache" / "ddptrain")
     readable = re.sub(r"[^A-Za-z0-9_.-]+", "-", rest.strip("/"))[:80]
     return cache / "runs" / scheme / f"{readable}-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:8]}"
+
+
+# The object stores ddptrain knows: the fsspec backend each needs, the extra that installs it, and
+# the variables that hold its credentials (named when access is refused).
+BACKENDS = {"s3": ("s3fs", "s3", "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE (AWS_ENDPOINT_URL for "
+                   "a server of your own)"),
+            "gs": ("gcsfs", "gcs", "GOOGLE_APPLICATION_CREDENTIALS"),
+            "gcs": ("gcsfs", "gcs", "GOOGLE_APPLICATION_CREDENTIALS"),
+            "az": ("adlfs", "azure", "AZURE_STORAGE_CONNECTION_STRING or AZURE_STORAGE_ACCOUNT_NAME / "
+                   "AZURE_STORAGE_ACCOUNT_KEY"),
+            "abfs": ("adlfs", "azure", "AZURE_STORAGE_CONNECTION_STRING or AZURE_STORAGE_ACCOUNT_NAME / "
+                     "AZURE_STORAGE_ACCOUNT_KEY")}
+
+
+def check_location(run_dir: str | os.PathLike[str] | None, flag: str = "--run-dir") -> None:
+    """A store URL's shape and its client, before anything is imported or asked of the network:
+    ConfigError (one line) for an unknown scheme, an empty bucket or a missing fsspec backend."""
+    if not is_remote(run_dir):
+        return
+    url = str(run_dir)
+    scheme, rest = url.split("://", 1)
+    if scheme not in BACKENDS:
+        known = ", ".join(f"{name}://" for name in BACKENDS)
+        raise ConfigError(f"{flag} {url}: unknown storage scheme {scheme!r}; use a local folder or one of {known}")
+    bucket = rest.split("/", 1)[0]
+    if not bucket:
+        raise ConfigError(f"{flag} {url}: no bucket; write {scheme}://BUCKET/PREFIX")
+    module, extra, _ = BACKENDS[scheme]
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"{flag} {url}: needs the {module} package; pip install 'ddptrain[{extra}]'")
 
 
 def remote_of(run_dir: str | os.PathLike[str] | None) -> RemoteDir | None:
@@ -66,10 +98,9 @@ class RemoteDir:
 
             try:
                 self._fs = fsspec.filesystem(self.scheme, use_listings_cache=False, skip_instance_cache=True)
-            except ImportError as error:
-                extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}.get(self.scheme)
-                hint = f"pip install 'ddptrain[{extra}]'" if extra else "install the fsspec package for it"
-                raise ConfigError(f"--run-dir {self.url}: {error}; {hint}") from None
+            except ImportError:
+                check_location(self.url)  # names the package and its extra
+                raise
         return self._fs
 
     def path(self, name: str = "") -> str:
@@ -82,7 +113,8 @@ class RemoteDir:
 
     # --- checks ----------------------------------------------------------------------------
     def check(self) -> None:
-        """Before any rank starts: credentials and bucket, as one line each."""
+        """Before any rank starts: the URL, credentials and bucket, as one line each."""
+        check_location(self.url)
         bucket = self.path().split("/", 1)[0]
         try:
             self.fs.info(bucket)  # one small request, whatever the bucket holds
@@ -90,13 +122,14 @@ class RemoteDir:
             raise ConfigError(f"--run-dir {self.url}: bucket {bucket!r} does not exist (or this endpoint does not "
                               "have it); create it or give another --run-dir") from None
         except Exception as error:  # noqa: BLE001 - every client's own credential and permission errors
-            kind = type(error).__name__
+            kind, variables = type(error).__name__, BACKENDS.get(self.scheme, ("", "", "the store's settings"))[2]
+            message = " ".join(str(error).split())[:160]
             if "Credential" in kind or isinstance(error, PermissionError):
-                raise ConfigError(f"--run-dir {self.url}: no access ({kind}: {str(error)[:120]}); set the "
-                                  "store's credentials (for S3: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or "
-                                  "AWS_PROFILE; AWS_ENDPOINT_URL for a server of your own)") from None
-            raise ConfigError(f"--run-dir {self.url}: cannot reach it ({kind}: {str(error)[:160]}); check the "
-                              "endpoint (AWS_ENDPOINT_URL for S3) and the network") from None
+                raise ConfigError(f"--run-dir {self.url}: no access ({kind}: {message}); set the store's "
+                                  f"credentials: {variables}") from None
+            endpoint = " (AWS_ENDPOINT_URL for a server of your own)" if self.scheme == "s3" else ""
+            raise ConfigError(f"--run-dir {self.url}: cannot reach it ({kind}: {message}); check the "
+                              f"endpoint{endpoint} and the network") from None
 
     # --- plain files -----------------------------------------------------------------------
     def exists(self, name: str) -> bool:
@@ -202,3 +235,22 @@ class RemoteDir:
         for name in found:
             self.fs.mv(self.path(name), self.path(f"{target}/{name}"), recursive=True)
         return self.url_of(target)
+
+
+def readable_copy(run_dir: str, snapshots: bool = False) -> Path:
+    """A run dir to read (``ddptrain report``, ``export``): a local one as it is; a store's run
+    copied down (its run files and model.pt; its committed snapshots too with ``snapshots``) into
+    a folder beside its mirror, so a job training into that mirror here is never disturbed."""
+    if not is_remote(run_dir):
+        return Path(run_dir)
+    check_location(run_dir, flag="run dir")
+    remote = RemoteDir(run_dir)
+    remote.check()
+    copy = local_dir(run_dir).with_name(local_dir(run_dir).name + ".read")
+    copy.mkdir(parents=True, exist_ok=True)
+    remote.pull_run_files(copy)
+    if not remote.get("model.pt", copy / "model.pt"):
+        (copy / "model.pt").unlink(missing_ok=True)
+    if snapshots:
+        remote.pull_snapshots(copy / "snapshots", remove_cut=False)
+    return copy

@@ -38,11 +38,12 @@ from .observe.throughput import FlopCount, StepProfiler, device_peak_tflops, thr
 from .optim import ScalerState, SchedulerState, build_optimizer, build_scheduler
 from .parallel import make_strategy
 from .parallel.base import ModelAndOptimizer, convert_sync_batchnorm, leaves_no_trace
+from .resilience.failures import STEP_NOTE
 from .resilience.guard import NonFiniteGuard, local_all_finite
 from .resilience.ray_train import RayReports
 from .resilience.stop_signals import StopSignal
 from .snapshots.checkpointer import Checkpointer, OneTable
-from .snapshots.files import atomic_save
+from .snapshots.files import HF_MODEL, atomic_save, snapshot_estimate, space_warning, write_hf_model
 from .snapshots.restore import restore_point, resumed_config
 from .storage import local_dir, remote_of
 from .tasks.protocol import Task, check_pair, check_task, split_loss
@@ -184,6 +185,10 @@ class Trainer:
                                    f" up to step {self.progress.step_in_epoch} (slower, still exact; docs/data.md)")
         resumed_at = None if self.start is None else (self.progress.global_step, self.progress.epoch)
         self.reporter.begin(self.cfg, resumed_at)
+        if self.ctx.rank == 0 and self.cfg.keep > 0:
+            low = space_warning(self.run_dir, snapshot_estimate(self.module, self.optimizer), self.cfg.keep)
+            if low:
+                self.reporter.info(f"ddptrain: {low}")
         if self.start is None:
             self.reporter.info(f"training {self.cfg.task} on {self.ctx.world_size} rank(s), "
                                f"{self.device.type}/{self.ctx.backend}, global batch {self.global_batch}, "
@@ -191,7 +196,12 @@ class Trainer:
         if self.cfg.epochs == 0:  # the initial model's evaluation, before epoch 0
             self.reporter.log({"kind": "eval", "epoch": 0, "step": self.progress.global_step, **self._evaluation()})
         while not self._done():
-            if self._run_epoch(self.progress.epoch) == "preempted":
+            try:
+                ended_by = self._run_epoch(self.progress.epoch)
+            except Exception as error:  # the failure report names the step it happened in
+                error.add_note(f"{STEP_NOTE}{self.progress.global_step + 1}")
+                raise
+            if ended_by == "preempted":
                 self._save()
                 self.checkpointer.commit()
                 return "preempted"
@@ -495,8 +505,11 @@ class Trainer:
         weights = self.strategy.full_model_state(self.module)  # every rank helps under fsdp
         if weights is not None:
             atomic_save(weights, self.run_dir / "model.pt")
+            described = write_hf_model(self.module, self.run_dir)  # export --format hf needs no task then
             if self.remote is not None:
                 self.remote.put(self.run_dir / "model.pt", "model.pt")
+                if described:
+                    self.remote.put(self.run_dir / HF_MODEL, HF_MODEL)
         with self.watchdog.waiting("the end: waiting for model.pt"):
             dist.barrier()  # model.pt is complete before any rank reports success
         self.reporter.finish()

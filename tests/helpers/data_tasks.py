@@ -208,3 +208,20 @@ def write_jsonl_shards(folder: Path) -> None:
     from stream_jsonl import write_shards
 
     write_shards(folder)
+
+
+class MisshapedStream(torch.utils.data.IterableDataset):
+    """The regression samples ``(x, y)``, but item BAD_ITEM of each reader has 21 features, not 20."""
+
+    def __init__(self, samples: int, seed: int, bad: int) -> None:
+        self.inputs, self.targets = regression_data(seed, samples).tensors
+        self.bad = bad
+
+    def __iter__(self):
+        for item, (x, y) in enumerate(zip(self.inputs, self.targets)):
+            yield (torch.cat([x, x[:1]]) if item == self.bad else x), y
+
+
+def misshaped_stream(cfg) -> Task:
+    stream = MisshapedStream(256, cfg.seed, int(os.environ.get("BAD_ITEM", "37")))
+    return Task(model=torch.nn.Linear(20, 1), train_set=stream, loss_fn=torch.nn.functional.mse_loss)

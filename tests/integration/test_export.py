@@ -43,6 +43,27 @@ def test_export_of_no_run_or_a_missing_snapshot_is_one_line(tmp_path, capfd):
         err = capfd.readouterr().err
         assert len(err.strip().splitlines()) == 1 and words in err, err
 
+    (tmp_path / "taken.pt").write_bytes(b"theirs")
+    (tmp_path / "a-file").write_text("")
+    for out, words in [(tmp_path / "taken.pt", f"--out {tmp_path / 'taken.pt'} exists; pass --force to replace it"),
+                       (tmp_path / "a-file" / "m.pt", f"--out {tmp_path / 'a-file' / 'm.pt'}: cannot create")]:
+        capfd.readouterr()
+        assert main(["export", str(tmp_path / "run"), "--format", "torch", "--out", str(out)]) == 2
+        err = capfd.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and words in err, err
+    assert (tmp_path / "taken.pt").read_bytes() == b"theirs"  # refused: untouched
+    assert main(["export", str(tmp_path / "run"), "--format", "torch", "--out", str(tmp_path / "taken.pt"),
+                 "--force"]) == 0
+    assert_same_weights(torch.load(tmp_path / "taken.pt", weights_only=True), load_model(tmp_path / "run"), exact=True)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # nothing left aside
+
+
+def test_safetensors_comes_with_ddptrain():
+    """`ddptrain report` suggests `export --format safetensors`: the package it needs is a dependency."""
+    from importlib.metadata import requires
+
+    assert any(r.split(">")[0].split(";")[0].strip() == "safetensors" for r in requires("ddptrain") or [])
+
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'ddptrain[hf]') is not installed")
 
@@ -63,3 +84,16 @@ def test_gpt2_exports_to_a_hugging_face_folder_that_gives_the_trained_models_log
     assert_ok(result)
     assert_same_weights({k: v for k, v in load_file(tmp_path / "m.safetensors").items()},
                         load_model(tmp_path / "run"), exact=True)
+
+    # The task's code and data gone: hf_model.json (the model's class and config) is all it needs.
+    config = tmp_path / "run" / "config.json"
+    config.write_text(config.read_text().replace(TASKS + "small_gpt2", "gone_module:task"))
+    assert_ok(ddptrain_cli("export", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf"),
+                           "--force"))
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=tokens).logits, trained(input_ids=tokens).logits)
+    (tmp_path / "run" / "hf_model.json").unlink()  # a run from before it: the task is needed, and named
+    gone = ddptrain_cli("export", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf2"))
+    assert gone.returncode == 2 and len(gone.stderr.strip().splitlines()) == 1, gone.stderr
+    assert "has no hf_model.json" in gone.stderr and "gone_module:task" in gone.stderr, gone.stderr

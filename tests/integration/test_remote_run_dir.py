@@ -117,3 +117,23 @@ def test_a_run_dir_on_a_store_is_held_by_one_job_at_a_time(s3_server, tmp_path, 
     first.release()
     second.acquire().release()
     assert not s3_server.filesystem().exists("held/run/.hold")
+
+
+def test_report_and_export_read_a_run_on_the_store_as_its_mirror(s3_server, tmp_path, monkeypatch, capsys):
+    from ddptrain.cli import main
+    from ddptrain.storage import local_dir
+
+    for key, value in _machine(s3_server, tmp_path, "machine").items():
+        monkeypatch.setenv(key, value)
+    url = s3_server.bucket("read") + "/run"
+    fit("regression", url, max_epochs=1)
+    mirror = local_dir(url)
+    capsys.readouterr()
+    assert main(["report", url]) == 0
+    out = capsys.readouterr().out
+    assert "train_loss" in out and f"ddptrain export {url} --format safetensors" in out, out
+    assert main(["export", url, "--format", "torch", "--out", str(tmp_path / "remote.pt")]) == 0
+    assert main(["export", str(mirror), "--format", "torch", "--out", str(tmp_path / "mirror.pt")]) == 0
+    assert f"ddptrain export: {url} (model.pt)" in capsys.readouterr().out
+    assert_same_weights(torch.load(tmp_path / "remote.pt", weights_only=True),
+                        torch.load(tmp_path / "mirror.pt", weights_only=True), exact=True)

@@ -21,10 +21,17 @@ def _rank_pids(run_dir) -> list[int]:
 
 
 def _assert_names_rank_1(err: str) -> None:
-    assert "ddptrain: rank 1 failed first; its traceback:" in err
-    assert "Traceback (most recent call last)" in err
-    assert "RuntimeError: deliberate failure on rank 1 at step 3" in err
-    assert "ddptrain: rank 0 stopped" in err and "rank 0 failed" not in err
+    """A few lines: the rank, its step and its error; the user's frame; the full traceback's file."""
+    lines = err.strip().splitlines()
+    assert lines[0] == "ddptrain: rank 1 failed in step 3: RuntimeError: deliberate failure on rank 1 at step 3", err
+    assert lines[1].endswith('ddptrain_test_tasks.py:37 in wrapped: on_step(calls["n"])'), err  # the user's frames
+    assert lines[2].endswith("ddptrain_test_tasks.py:58 in maybe_fail: raise RuntimeError("
+                             'f"deliberate failure on rank {rank} at step {step}")'), err
+    assert lines[3] == "ddptrain: rank 0 stopped after another rank failed", err
+    assert len(lines) == 5 and "Traceback" not in err, err
+    error_file = lines[-1].split("rank 1's full traceback: ", 1)[1]
+    full = open(error_file).read()
+    assert "Traceback (most recent call last)" in full and "deliberate failure on rank 1" in full
 
 
 @pytest.mark.slow
@@ -123,3 +130,21 @@ def test_skip_nonfinite_skips_on_every_rank_records_it_and_resumes_exactly(tmp_p
     fit(TASKS + "kill_nan_sample", tmp_path / "resumed", env=env, **args)
     assert_same_weights(load_model(tmp_path / "resumed"), weights, exact=True)
     assert read_metrics(tmp_path / "resumed")[0]["skipped_steps"] == [step]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_a_stream_sample_of_another_shape_is_named_by_rank_step_and_shapes_in_3_lines(tmp_path, workers):
+    """Item 37 of a stream has 21 features, not 20: torch's collate says only "stack expects each
+    tensor to be equal size" (from a DataLoader worker, inside "Caught RuntimeError in DataLoader
+    worker process 0" and the worker's traceback)."""
+    import re
+
+    result = ddptrain_cli("train", "--task", "data_tasks:misshaped_stream", "--nproc", "2", "--batch-size", "8",
+                          "--workers", workers, "--run-dir", str(tmp_path), timeout=90)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) <= 3, result.stderr
+    assert re.match(r"ddptrain: rank \d failed in step \d+: ValueError: the batch's samples do not fit together: "
+                    r"sample 0 of the batch is \(Tensor\[20\] float32, Tensor\[1\] float32\), sample \d is "
+                    r"\(Tensor\[21\] float32, Tensor\[1\] float32\) \(RuntimeError: stack expects", lines[0]), lines[0]
+    assert not any(alive(pid) for pid in _rank_pids(tmp_path))

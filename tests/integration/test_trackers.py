@@ -148,3 +148,52 @@ def test_a_kill_at_any_moment_leaves_every_tracker_each_metric_and_step_once(mlf
         rows = list(csv.DictReader(handle))
     assert [int(row["step"]) for row in rows] == DIGITS_EPOCHS
     assert [float(row["train_loss"]) for row in rows] == [r["train_loss"] for r in records]
+
+
+def test_a_tracker_server_that_never_answers_holds_the_end_at_most_15_s_and_says_why(tmp_path):
+    """A server that accepts connections and never answers: training goes on; the end waits a
+    bounded time, saying so when the wait starts."""
+    import os
+    import socket
+    import threading
+    import time
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    held, stop = [], threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])  # kept open, never read, never answered
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        run_dir = tmp_path / "run"
+        uri = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        result = ddptrain_cli("train", "--task", "digits", "--max-epochs", "1", "--tracker", "mlflow",
+                              "--run-dir", str(run_dir), env=clean_env(MLFLOW_TRACKING_URI=uri), timeout=120)
+        ended = time.time()
+    finally:
+        stop.set()
+        thread.join(5)
+        for connection in held:
+            connection.close()
+        listener.close()
+    assert_ok(result)
+    last_step = os.path.getmtime(run_dir / "metrics.jsonl")
+    assert ended - last_step < 15, f"{ended - last_step:.1f} s after the last record"
+    assert "ddptrain: warning: waiting up to 10 s for mlflow (" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("uri", ["localhost:5000", "htp://localhost:5000", "http://localhost:port", "http://"])
+def test_an_mlflow_address_that_cannot_work_is_one_line_before_training(tmp_path, uri):
+    result = ddptrain_cli("train", "--tracker", "mlflow", "--run-dir", str(tmp_path / "r"),
+                          env=clean_env(MLFLOW_TRACKING_URI=uri))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(f"ddptrain: error: MLFLOW_TRACKING_URI={uri!r}: "), result.stderr
+    assert not (tmp_path / "r").exists()  # nothing written

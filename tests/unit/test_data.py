@@ -158,3 +158,17 @@ def test_a_data_set_with_set_epoch_hears_each_epoch_even_in_workers():
     for epoch in (3, 4):
         batches.set_epoch(epoch)
         assert {int(e) for step in batches.steps() for batch, _ in step for e in batch[:, 1]} == {epoch}
+
+
+def test_samples_that_do_not_fit_together_are_named_by_their_shapes_and_keys():
+    from ddptrain.data.batches import ExplainedCollate
+
+    collate = ExplainedCollate(None)
+    assert collate([torch.zeros(3), torch.ones(3)]).shape == (2, 3)  # torch's default, untouched
+    with pytest.raises(ValueError, match=r"sample 0 of the batch is \(Tensor\[20\] float32, Tensor\[\] int64\), "
+                                         r"sample 2 is \(Tensor\[21\] float32, Tensor\[\] int64\) \(RuntimeError: "):
+        collate([(torch.zeros(20), torch.tensor(1)), (torch.zeros(20), torch.tensor(1)),
+                 (torch.zeros(21), torch.tensor(1))])
+    with pytest.raises(ValueError, match=r"sample 0 of the batch is \{'x': Tensor\[2\] float32\}, sample 1 is "
+                                         r"\{'y': Tensor\[2\] float32\}"):
+        collate([{"x": torch.zeros(2)}, {"y": torch.zeros(2)}])

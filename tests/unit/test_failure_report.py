@@ -1,6 +1,6 @@
 """The failure report's choice of the rank to blame, from the ranks' error files' contents."""
 
-from ddptrain.resilience.failures import RankError, root_cause
+from ddptrain.resilience.failures import RankError, original_message, root_cause, short_report, user_frames
 
 
 def _error(rank: int, kind: str, text: str, mtime: int) -> RankError:
@@ -19,3 +19,38 @@ def test_root_cause_prefers_the_real_error_over_the_ranks_that_only_felt_it():
     terminated = _error(0, "SignalException", "Process 4242 got signal: 15", 0)
     assert root_cause({0: terminated, 1: errors[1]}, killed={}).rank == 1
     assert root_cause({0: terminated}, killed={}).rank == 0
+
+
+TORCH = "/venv/lib/python3.11/site-packages/torch/nn/modules/module.py"
+CALLSTACK = f'''Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/ddptrain/trainer.py", line 222, in _fit
+    ended_by = self._run_epoch(self.progress.epoch)
+  File "/home/me/project/my_task.py", line 12, in step
+    return model(batch["x"]).sum()
+  File "{TORCH}", line 1775, in _call_impl
+    return forward_call(*args, **kwargs)
+  File "/home/me/project/my_model.py", line 30, in forward
+    return self.head(x)
+  File "/venv/lib/python3.11/site-packages/torch/nn/modules/linear.py", line 134, in forward
+    return F.linear(input, self.weight, self.bias)
+           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+RuntimeError: mat1 and mat2 shapes cannot be multiplied (8x20 and 21x1)
+ddptrain: in step 37
+'''
+
+
+def test_a_users_error_is_its_rank_step_and_message_then_the_users_own_frames():
+    error = RankError(1, 0, "RuntimeError: mat1 and mat2 shapes cannot be multiplied (8x20 and 21x1)", CALLSTACK)
+    assert short_report(error) == [
+        "ddptrain: rank 1 failed in step 37: RuntimeError: mat1 and mat2 shapes cannot be multiplied (8x20 and 21x1)",
+        '  /home/me/project/my_task.py:12 in step: return model(batch["x"]).sum()',
+        "  /home/me/project/my_model.py:30 in forward: return self.head(x)"]
+
+
+def test_an_error_from_a_dataloader_worker_is_the_workers_own_line():
+    message = ("ValueError: Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent "
+               "call last):\n  File \"/home/me/stream.py\", line 9, in __iter__\n    yield bad\n"
+               "ValueError: the batch's samples do not fit together: sample 0 of the batch is Tensor[20] float32, "
+               "sample 3 is Tensor[21] float32 (RuntimeError: stack expects each tensor to be equal size)")
+    assert original_message(message).startswith("ValueError: the batch's samples do not fit together: sample 0")
+    assert user_frames(message) == ["/home/me/stream.py:9 in __iter__: yield bad"]

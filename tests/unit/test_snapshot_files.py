@@ -91,3 +91,33 @@ def test_resume_path_is_checked_before_any_rank_starts(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_resume_path(str(tmp_path / "step-000000003.pt"))
+
+
+def test_a_snapshots_size_is_estimated_from_the_model_and_the_optimizer():
+    model = torch.nn.Linear(100, 10)  # 1,010 floats: 4,040 bytes
+    assert files.snapshot_estimate(model, torch.optim.AdamW(model.parameters())) == 3 * 4040
+    assert files.snapshot_estimate(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)) == 2 * 4040
+    assert files.snapshot_estimate(model, torch.optim.SGD(model.parameters(), lr=0.1)) == 4040
+
+
+def test_a_disk_too_small_for_keep_plus_one_snapshots_is_warned_of(tmp_path):
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    assert files.space_warning(tmp_path, snapshot=1 << 20, keep=2) is None
+    warning = files.space_warning(tmp_path, snapshot=free // 2, keep=2)
+    assert warning is not None and warning.startswith(f"warning: {tmp_path} has ")
+    assert "--keep 2 snapshots and the one being written need about" in warning
+
+
+def test_a_write_that_finds_the_disk_full_is_one_line_naming_the_intact_snapshot(tmp_path):
+    import errno
+
+    snapshots = tmp_path / "snapshots"
+    snapshots.mkdir()
+    files.atomic_save({"x": torch.zeros(3)}, snapshots / files.snapshot_name(10))
+    assert files.out_of_space(OSError(errno.ENOSPC, "No space left on device"), snapshots)
+    assert not files.out_of_space(ValueError("not a write"), snapshots)
+    error = files.disk_full(snapshots / files.snapshot_name(15), 3 << 20)
+    assert str(error).startswith(f"no space left in {tmp_path} writing step-000000015.pt (")
+    assert "it takes about 3.0 MB); the newest complete snapshot, step-000000010.pt, is intact" in str(error)

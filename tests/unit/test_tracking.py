@@ -99,8 +99,10 @@ def test_a_hanging_tracker_delays_the_end_only_as_long_as_allowed(tmp_path, caps
     tracking = Tracking([Remembering(block=never)], tmp_path)
     tracking.begin({})
     tracking.log({"kind": "epoch", "epoch": 0, "step": 1, "train_loss": 1.0})
-    tracking.end("stopped", wait_s=0.2)
-    assert "trackers (remembering) still busy after 0.2 s; not waiting" in capsys.readouterr().err
+    tracking.end("stopped", wait_s=1.5)
+    err = capsys.readouterr().err
+    assert "waiting up to 1.5 s for remembering (sending step 1) (a tracker's server that is slow" in err, err
+    assert "trackers (remembering) still busy after 1.5 s; not waiting" in err
     never.set()
 
 

@@ -45,6 +45,52 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     return batch
 
 
+class ExplainedCollate:
+    """The batch's collate function (the task's, or torch's default), whose failure names two
+    samples of the batch that do not fit together (their shapes, dtypes or keys): torch's own
+    message ("stack expects each tensor to be equal size") names neither. A class, not a
+    closure: DataLoader workers started by spawn receive it pickled."""
+
+    def __init__(self, collate_fn: Callable[..., Any] | None) -> None:
+        self.collate_fn = collate_fn or default_collate
+
+    def __call__(self, samples: list[Any]) -> Any:
+        try:
+            return self.collate_fn(samples)
+        except Exception as error:
+            mismatch = first_mismatch(samples)
+            if mismatch is None:
+                raise
+            index, first, other = mismatch
+            reason = " ".join(str(error).split())[:200]
+            raise ValueError(f"the batch's samples do not fit together: sample 0 of the batch is {first}, sample "
+                             f"{index} is {other} ({type(error).__name__}: {reason})") from error
+
+
+def first_mismatch(samples: list[Any]) -> tuple[int, str, str] | None:
+    """(index, sample 0's layout, that sample's layout) for the first sample laid out otherwise."""
+    if not samples:
+        return None
+    first = layout(samples[0])
+    for index, sample in enumerate(samples[1:], start=1):
+        other = layout(sample)
+        if other != first:
+            return index, first, other
+    return None
+
+
+def layout(sample: Any) -> str:
+    """A sample's structure: tensors' shapes and dtypes, dicts' keys, sequences' lengths."""
+    if isinstance(sample, torch.Tensor) or hasattr(sample, "shape") and hasattr(sample, "dtype"):
+        return f"{type(sample).__name__}{list(sample.shape)} {str(sample.dtype).removeprefix('torch.')}"
+    if isinstance(sample, dict):
+        return "{" + ", ".join(f"{key!r}: {layout(value)}" for key, value in sample.items()) + "}"
+    if isinstance(sample, (list, tuple)):
+        inner = ", ".join(layout(value) for value in sample)
+        return f"({inner})" if isinstance(sample, tuple) else f"[{inner}]"
+    return type(sample).__name__
+
+
 def uses_fast_path(dataset: Dataset, collate_fn: Callable[..., Any] | None) -> bool:
     return isinstance(dataset, TensorDataset) and collate_fn is None
 
@@ -70,7 +116,7 @@ class _Batches:
             yield tuple(t[chunk] for t in self.tensors)
 
     def _loader(self, **kwargs: Any) -> DataLoader:
-        return DataLoader(self.dataset, num_workers=self.workers, collate_fn=self.collate_fn,
+        return DataLoader(self.dataset, num_workers=self.workers, collate_fn=ExplainedCollate(self.collate_fn),
                           pin_memory=self.device.type == "cuda", generator=self.generator, **kwargs)
 
     def _moved(self, loader: DataLoader) -> Iterator[Any]:

@@ -41,7 +41,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..comm import CollectiveMarks, broadcast_object, settle_before_fork
 from ..errors import ConfigError
-from .batches import to_device
+from .batches import ExplainedCollate, to_device
 from .sampling import MicroBatch
 
 AGREEING = "agreeing on the step's sample counts (an iterable training set)"
@@ -137,7 +137,8 @@ class StreamBatches:
         with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             self.loader = StatefulDataLoader(self.share, batch_size=batch_size, num_workers=workers,
-                                             collate_fn=collate_fn, pin_memory=device.type == "cuda",
+                                             collate_fn=ExplainedCollate(collate_fn),
+                                             pin_memory=device.type == "cuda",
                                              generator=self.generator)
         self.saved: list[dict[str, Any]] | None = None  # every rank's loader state, for the epoch it was taken in
         self.stand_in: Any = None  # a batch to run with weight 0 when this rank's share has run out

@@ -46,6 +46,11 @@ def kept_on_resume(record: dict[str, Any], step: int, epoch: int) -> bool:
     return not (record.get("kind") == "epoch" and record.get("epoch") == epoch)
 
 
+# Seconds a finished run waits for its trackers to take the last records and close (a server that
+# hangs must not hold the job: what a tracker missed, `report --sync` sends later).
+TRACKER_WAIT_S = 10.0
+
+
 class Reporter:
     """Rank 0's reporting: console lines, progress bar, metrics.jsonl, the trackers, the summary."""
 
@@ -133,7 +138,7 @@ class Reporter:
             tracking, self.tracking = self.tracking, None
             files = [self.run_dir / name for name in ("config.json", "curves.png")]
             tracking.end(status, files if status == "finished" else [], summary,
-                         wait_s=60.0 if status == "finished" else 5.0)
+                         wait_s=TRACKER_WAIT_S if status == "finished" else 5.0)
         if status != "failed":  # (a failure may be the store's: do not raise another one over it)
             self._upload("curves.png", "trackers.json", "metrics.csv")
 

@@ -35,6 +35,37 @@ def check_installed(names: list[str]) -> None:
                               f"pip install 'ddptrain[{extra}]'")
 
 
+# MLFLOW_TRACKING_URI schemes MLflow's client has stores for (besides http(s) servers and folders).
+MLFLOW_STORES = ("sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc")
+
+
+def check_settings(names: list[str]) -> None:
+    """Before any rank starts: a tracker's address that cannot work is one line, not a run that
+    trains untracked (MLflow's client only says so in the tracking thread, as a warning)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if "mlflow" in names and uri:
+        problem = mlflow_uri_problem(uri)
+        if problem:
+            raise ConfigError(f"MLFLOW_TRACKING_URI={uri!r}: {problem}; use http://HOST:PORT for a server, "
+                              "a folder, or sqlite:///PATH")
+
+
+def mlflow_uri_problem(uri: str) -> str | None:
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(uri)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError as error:
+        return f"cannot be parsed ({error})"
+    scheme = parts.scheme.split("+", 1)[0]  # postgresql+psycopg2://
+    if scheme in ("http", "https"):
+        return None if parts.hostname else "no host"
+    if scheme in ("", "file") or scheme in MLFLOW_STORES or len(scheme) == 1:  # C:\ on Windows
+        return None
+    return f"unknown scheme {parts.scheme!r}"
+
+
 def make_trackers(cfg: RunConfig) -> list[Tracker]:
     return [KINDS[name]() for name in cfg.trackers()]
 

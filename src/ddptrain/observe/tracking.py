@@ -21,6 +21,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -140,6 +141,9 @@ class Delivery:
             self.state.update(self.tracker.name, through_step=step)
 
 
+QUIET_WAIT_S = 1.0  # seconds the end waits for the trackers before it says that it waits
+
+
 class Tracking:
     """Rank 0's trackers, driven by one daemon thread through a queue: ``begin``, ``log`` and
     ``end`` return at once (``end`` waits a bounded time for what is queued)."""
@@ -149,6 +153,7 @@ class Tracking:
         self.state = TrackerState(self.run_dir)
         self.live = [Delivery(t, self.state) for t in trackers]
         self.queue: queue.Queue[tuple[Callable[[Delivery], None], str] | None] = queue.Queue()
+        self.doing = "the trackers"  # what the thread is at: named when the end has to wait for it
         self.thread = threading.Thread(target=self._work, name="ddptrain-trackers", daemon=True)
         self.thread.start()
 
@@ -167,12 +172,17 @@ class Tracking:
         self.queue.put((lambda d: d.deliver(record), f"sending step {record['step']}"))
 
     def end(self, status: str, artifacts: Iterable[Path] = (), summary: dict[str, Any] | None = None,
-            wait_s: float = 60.0) -> None:
-        """Close every tracker's run; past ``wait_s`` (a server that hangs), say so and go on."""
+            wait_s: float = 10.0) -> None:
+        """Close every tracker's run, waiting at most ``wait_s`` (a server that hangs): a wait
+        longer than a moment is said when it starts, and giving up is said too."""
         files = [Path(p) for p in artifacts if Path(p).is_file()]
         self.queue.put((lambda d: d.tracker.close(status, files, summary or {}), "closing its run"))
         self.queue.put(None)
-        self.thread.join(wait_s)
+        started = time.monotonic()
+        self.thread.join(min(QUIET_WAIT_S, wait_s))
+        if self.thread.is_alive():
+            warn(f"waiting up to {wait_s:g} s for {self.doing} (a tracker's server that is slow or does not answer)")
+            self.thread.join(max(0.0, wait_s - (time.monotonic() - started)))
         if self.thread.is_alive():
             names = ", ".join(d.tracker.name for d in self.live)
             warn(f"trackers ({names}) still busy after {wait_s:g} s; not waiting for them "
@@ -182,6 +192,7 @@ class Tracking:
         while (job := self.queue.get()) is not None:
             action, what = job
             for delivery in list(self.live):
+                self.doing = f"{delivery.tracker.name} ({what})"
                 try:
                     action(delivery)
                 except Exception as error:  # noqa: BLE001 - any failure of a tracker: drop it, train on

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -20,7 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, NonFiniteError, PeerFailed, PeerStuck, RankStuck, SnapshotError, StorageNotShared
+from ..errors import (
+    ConfigError,
+    DiskFull,
+    NonFiniteError,
+    PeerFailed,
+    PeerStuck,
+    RankStuck,
+    SnapshotError,
+    StorageNotShared,
+)
 
 # A rank's error arrives as text ("ExceptionType: message", torch's error file): matched by
 # the classes' names.
@@ -31,7 +41,7 @@ STUCK = (RankStuck.__name__, PeerStuck.__name__)
 TERMINATED = "SignalException"
 # Reported as one line "ddptrain: error: ..." (no traceback); the value is the exit status.
 ONE_LINE = {ConfigError.__name__: 2, SnapshotError.__name__: 2, StorageNotShared.__name__: 2,
-            NonFiniteError.__name__: 1}
+            NonFiniteError.__name__: 1, DiskFull.__name__: 1}
 # What a rank sees when its peer has died: the peer is the cause, not this rank.
 LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ECONNRESET",
              "Socket closed", "Connection refused")
@@ -169,20 +179,75 @@ def failure_report(failure: Any, nproc: int, run_dir: Path) -> tuple[str, int]:
         message = cause.text.split("reported a configuration error: ", 1)[1]
         return f"ddptrain: error: {message.split(': ', 1)[-1]}", 2
     else:
-        lines = [f"ddptrain: rank {cause.rank} failed first; its traceback:", cause.traceback.rstrip(), ""]
+        lines = short_report(cause)
     cause_rank = cause if isinstance(cause, int) else cause.rank
-    for rank in range(nproc):
-        if rank == cause_rank:
-            continue
-        if rank in errors and errors[rank].kind in SECONDARY:
-            lines.append(f"ddptrain: {errors[rank].text.split(': ', 1)[0]}")
-        elif rank in errors and errors[rank].kind != TERMINATED:
-            lines.append(f"ddptrain: rank {rank}: {errors[rank].text.splitlines()[0][:300]}")
-        else:
-            lines.append(f"ddptrain: rank {rank} stopped by the launcher (it had no error of its own)")
-    if attempt_dir:
+    others = [_what_rank_did(rank, errors) for rank in range(nproc) if rank != cause_rank]
+    if others:
+        lines.append("ddptrain: " + "; ".join(others))
+    if attempt_dir and isinstance(cause, RankError):
+        lines.append(f"ddptrain: training failed; rank {cause.rank}'s full traceback: "
+                     f"{attempt_dir / str(cause.rank) / 'error.json'}")
+    elif attempt_dir:
         lines.append(f"ddptrain: training failed; error reports in {attempt_dir}")
     return "\n".join(lines), 1
+
+
+def _what_rank_did(rank: int, errors: dict[int, RankError]) -> str:
+    if rank in errors and errors[rank].kind in SECONDARY:
+        return errors[rank].text.split(": ", 1)[0]
+    if rank in errors and errors[rank].kind != TERMINATED:
+        return f"rank {rank}: {errors[rank].text.splitlines()[0][:300]}"
+    return f"rank {rank} stopped by the launcher (it had no error of its own)"
+
+
+STEP_NOTE = "ddptrain: in step "  # added to an exception that leaves the training loop (Trainer)
+USER_FRAMES = 3  # the innermost frames of the user's own code shown with a failure
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<name>.+)$')
+
+
+def short_report(cause: RankError) -> list[str]:
+    """A rank's exception in a few lines: the rank, the step and the exception's own line, then
+    the innermost frames of the user's code (file:line in function: source). The full traceback
+    stays in the rank's error file (named after these lines)."""
+    step = re.search(re.escape(STEP_NOTE) + r"(\d+)", cause.traceback)
+    at = f" in step {step.group(1)}" if step else ""
+    lines = [f"ddptrain: rank {cause.rank} failed{at}: {original_message(cause.message)}"]
+    return lines + [f"  {frame}" for frame in user_frames(cause.traceback)[-USER_FRAMES:]]
+
+
+def original_message(message: str) -> str:
+    """The exception's own line: for an error re-raised from a DataLoader worker ("Caught X in
+    DataLoader worker process 0" + the worker's traceback), the worker's last line."""
+    lines = [line for line in message.splitlines() if line.strip()]
+    if "Original Traceback" in message and lines:
+        return lines[-1].strip()[:500]
+    return " ".join(line.strip() for line in lines)[:500] if lines else message
+
+
+def user_frames(traceback: str) -> list[str]:
+    """``path:line in function: source`` for each frame of the traceback (and of a DataLoader
+    worker's traceback inside it) that is the user's code: not Python's, torch's, ddptrain's or
+    an installed package's."""
+    frames: list[str] = []
+    lines = traceback.splitlines()
+    for index, line in enumerate(lines):
+        match = _FRAME.match(line)
+        if not match or not _is_users(match["path"]):
+            continue
+        following = lines[index + 1] if index + 1 < len(lines) else ""
+        is_source = following.strip() and not _FRAME.match(following) and not following.strip().startswith(("^", "~"))
+        source = following.strip() if is_source else ""
+        frames.append(f"{match['path']}:{match['line']} in {match['name']}" + (f": {source}" if source else ""))
+    return frames
+
+
+def _is_users(path: str) -> bool:
+    import sysconfig
+
+    if path.startswith("<") or "site-packages" in path or "dist-packages" in path:
+        return False
+    library = (sysconfig.get_paths()["stdlib"], str(Path(__file__).resolve().parents[1]))
+    return not any(path.startswith(folder) for folder in library)
 
 
 def _attempt_dir(error_file: str | None, run_dir: Path) -> Path | None:

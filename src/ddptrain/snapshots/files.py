@@ -11,6 +11,8 @@ file is skipped with a warning in favour of the previous complete one.
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import re
 import shutil
@@ -21,7 +23,7 @@ from typing import Any, cast
 
 import torch
 
-from ..errors import SnapshotError
+from ..errors import DiskFull, SnapshotError
 from ..storage import RemoteDir
 
 FORMAT_VERSION = 2
@@ -65,7 +67,8 @@ def rotate(directory: Path, keep: int) -> None:
 
 
 def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` that leaves either the old file or the complete new one, never a part."""
+    """``torch.save`` that leaves either the old file or the complete new one, never a part; a
+    disk that fills up meanwhile is ``DiskFull`` (one line), not torch's writer's message."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as handle:
@@ -73,10 +76,105 @@ def atomic_save(obj: Any, path: Path) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         tmp.unlink(missing_ok=True)
+        if out_of_space(error, path.parent):
+            raise disk_full(path, state_bytes(obj)) from None
         raise
     fsync_dir(path.parent)
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+LOW_SPACE = 4 << 20  # bytes: a failed write with less than this free is taken for a full disk
+
+
+def out_of_space(error: BaseException, folder: Path) -> bool:
+    """Whether a failed write failed for lack of space: the OS said so, or torch's zip writer
+    reported a short write (\"unexpected pos ...\", its errno lost) on a disk that is nearly full."""
+    if isinstance(error, OSError) and error.errno in NO_SPACE:
+        return True
+    if not isinstance(error, (OSError, RuntimeError)):
+        return False
+    try:
+        return shutil.disk_usage(folder).free < LOW_SPACE
+    except OSError:
+        return False
+
+
+def disk_full(path: Path, needed: int) -> DiskFull:
+    """The one line for a write of ``path`` that found no space (``needed``: about what it takes)."""
+    folder = path.parent
+    run_dir = folder.parent if folder.name == "snapshots" else folder
+    try:
+        free = f"{shutil.disk_usage(folder).free / 2**20:.1f} MB free"
+    except OSError:
+        free = "free space unknown"
+    kept = list_snapshots(snapshot_dir(run_dir))
+    intact = (f"the newest complete snapshot, {kept[-1].name}, is intact" if kept else "no snapshot was written yet")
+    return DiskFull(f"no space left in {run_dir} writing {path.name} ({free}; it takes about "
+                    f"{needed / 2**20:.1f} MB); {intact}: free space there (or lower --keep) and run the same "
+                    "command to resume")
+
+
+def snapshot_estimate(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """About the bytes of one snapshot, before the optimizer has any state: the weights, plus the
+    optimizer's per-parameter tensors (Adam-like: two; SGD: its momentum, if any)."""
+    weights = state_bytes(dict(model.state_dict()))
+    name = type(optimizer).__name__
+    if name == "SGD":
+        slots = 1 if any(group.get("momentum", 0) for group in optimizer.param_groups) else 0
+    else:
+        slots = 2
+    return weights * (1 + slots)
+
+
+def space_warning(run_dir: Path, snapshot: int, keep: int) -> str | None:
+    """A warning when ``run_dir``'s disk cannot hold ``keep`` snapshots and the one being written."""
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        return None
+    needed = (keep + 1) * snapshot
+    if free >= needed:
+        return None
+    return (f"warning: {run_dir} has {free / 2**20:.1f} MB free; --keep {keep} snapshots and the one being "
+            f"written need about {needed / 2**20:.1f} MB ({snapshot / 2**20:.1f} MB each): the run will stop when "
+            "the disk is full; free space or lower --keep")
+
+
+def state_bytes(obj: Any) -> int:
+    """The bytes of the tensors in ``obj`` (dicts, lists and tuples followed): about its file's size."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(v) for v in obj)
+    return 0
+
+
+HF_MODEL = "hf_model.json"  # what `export --format hf` rebuilds the model from, without the task
+
+
+def hf_model_description(module: torch.nn.Module) -> dict[str, Any] | None:
+    """A transformers model's class and config (``save_pretrained``'s config.json), else None."""
+    config = getattr(module, "config", None)
+    # fully_shard gives the module a class of its own (FSDPGPT2LMHeadModel): the transformers one is its base
+    cls = next((c for c in type(module).__mro__ if c.__module__.startswith("transformers.")), None)
+    if cls is None or not hasattr(config, "to_dict"):
+        return None
+    return {"class": cls.__name__, "config": config.to_dict()}  # type: ignore[union-attr]  # checked
+
+
+def write_hf_model(module: torch.nn.Module, run_dir: Path) -> bool:
+    """``hf_model.json`` beside model.pt for a transformers model; whether one was written."""
+    description = hf_model_description(module)
+    if description is None:
+        return False
+    tmp = run_dir / f".{HF_MODEL}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(description, default=str) + "\n")
+    os.replace(tmp, run_dir / HF_MODEL)
+    return True
 
 
 def fsync_dir(directory: Path) -> None:

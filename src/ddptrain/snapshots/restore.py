@@ -37,7 +37,7 @@ from . import dcp as snapshot_dcp
 from . import files
 
 LEFTOVERS = ("snapshots", "metrics.jsonl", "model.pt", "config.json", "curves.png", "tensorboard", "trackers.json",
-             "metrics.csv", "wandb")
+             "metrics.csv", "wandb", "hf_model.json")
 
 
 @dataclass
