@@ -232,7 +232,7 @@ def test_a_slow_rank_is_named_in_the_straggler_report(tmp_path, capfd):
 
 
 @pytest.mark.slow
-def test_throughput_is_reported_in_tokens_tflops_and_mfu_and_profile_writes_a_trace_of_3_steps(tmp_path):
+def test_throughput_is_reported_in_tokens_tflops_and_mfu_and_profile_writes_a_trace_of_3_steps(tmp_path, capfd):
     tokens = tmp_path / "tokens.bin"
     np.random.default_rng(0).integers(0, 256, size=200_000, dtype=np.uint16).tofile(tokens)
     summary = fit(TASKS + "token_file_lm", tmp_path / "run", env={"TOKEN_FILE": str(tokens)}, max_steps=12,
@@ -245,3 +245,5 @@ def test_throughput_is_reported_in_tokens_tflops_and_mfu_and_profile_writes_a_tr
         trace = json.loads((tmp_path / "run" / "profile" / f"rank-{rank}.json").read_text())
         steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
         assert len(steps) == 3, steps
+    out, err = capfd.readouterr()
+    assert "USDT" not in out + err and "Warning" not in out + err, err  # the profiler keeps the console clean

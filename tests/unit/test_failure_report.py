@@ -54,3 +54,13 @@ def test_an_error_from_a_dataloader_worker_is_the_workers_own_line():
                "sample 3 is Tensor[21] float32 (RuntimeError: stack expects each tensor to be equal size)")
     assert original_message(message).startswith("ValueError: the batch's samples do not fit together: sample 0")
     assert user_frames(message) == ["/home/me/stream.py:9 in __iter__: yield bad"]
+
+
+def test_a_rank_that_only_lost_its_peer_is_said_to_have_stopped_never_in_gloos_words():
+    from ddptrain.resilience.failures import _what_rank_did
+
+    closed = _error(0, "RuntimeError", "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by "
+                    "peer [127.0.0.1]:4242", 1)
+    stopped = "rank 0 stopped after rank 1 failed (it lost its connection to it)"
+    assert _what_rank_did(0, {0: closed}, cause=1) == stopped
+    assert _what_rank_did(2, {}, cause=1) == "rank 2 stopped by the launcher (it had no error of its own)"

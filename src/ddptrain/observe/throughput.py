@@ -17,6 +17,7 @@ out) with ``torch.profiler`` and writes one Chrome / Perfetto trace per rank to
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -89,9 +90,13 @@ class StepProfiler:
             return
         from torch.profiler import ProfilerActivity, profile, schedule
 
+        # Kineto prints "USDT: ... profiler_start/stop" at its highest level (5) on every rank: above it,
+        # the console stays the run's (read when the profiler first starts; the user's setting wins).
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        # The first step is the warm-up, never recorded (torch warns of a schedule without one).
         self.profiler = profile(activities=activities, on_trace_ready=self._write,
-                                schedule=schedule(wait=1, warmup=0, active=self.steps, repeat=1),
+                                schedule=schedule(wait=0, warmup=1, active=self.steps, repeat=1),
                                 record_shapes=True)  # the shapes tell collectives apart (tests/helpers/costs.py)
         self.profiler.start()
 

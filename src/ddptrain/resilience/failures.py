@@ -181,7 +181,7 @@ def failure_report(failure: Any, nproc: int, run_dir: Path) -> tuple[str, int]:
     else:
         lines = short_report(cause)
     cause_rank = cause if isinstance(cause, int) else cause.rank
-    others = [_what_rank_did(rank, errors) for rank in range(nproc) if rank != cause_rank]
+    others = [_what_rank_did(rank, errors, cause_rank) for rank in range(nproc) if rank != cause_rank]
     if others:
         lines.append("ddptrain: " + "; ".join(others))
     if attempt_dir and isinstance(cause, RankError):
@@ -192,9 +192,11 @@ def failure_report(failure: Any, nproc: int, run_dir: Path) -> tuple[str, int]:
     return "\n".join(lines), 1
 
 
-def _what_rank_did(rank: int, errors: dict[int, RankError]) -> str:
+def _what_rank_did(rank: int, errors: dict[int, RankError], cause: int) -> str:
     if rank in errors and errors[rank].kind in SECONDARY:
         return errors[rank].text.split(": ", 1)[0]
+    if rank in errors and errors[rank].lost_peer:  # gloo's own words for it: "Connection closed by peer"
+        return f"rank {rank} stopped after rank {cause} failed (it lost its connection to it)"
     if rank in errors and errors[rank].kind != TERMINATED:
         return f"rank {rank}: {errors[rank].text.splitlines()[0][:300]}"
     return f"rank {rank} stopped by the launcher (it had no error of its own)"
