@@ -35,3 +35,20 @@ def test_launchers_name_the_job_the_same_in_every_process_and_restart():
     assert job_id({"TORCHELASTIC_RUN_ID": "abc"}) == "torchelastic-abc"
     assert job_id({"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}) == "job-h:29500"
     assert job_id({"DDPTRAIN_JOB_ID": "local-1", "SLURM_JOB_ID": "42"}) == "local-1"
+
+
+def test_releasing_the_hold_on_a_store_that_is_gone_is_one_warning_not_a_traceback(monkeypatch, capsys):
+    """A real S3 client against an endpoint where nothing listens (the store died at the end)."""
+    pytest.importorskip("s3fs", reason="the s3 extra (pip install 'ddptrain[s3]') is not installed")
+    from ddptrain.resilience.hold import RemoteHold
+    from ddptrain.storage import RemoteDir
+
+    nowhere = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
+               "AWS_MAX_ATTEMPTS": "1", "AWS_EC2_METADATA_DISABLED": "true"}
+    for key, value in nowhere.items():
+        monkeypatch.setenv(key, value)
+    RemoteHold(RemoteDir("s3://bucket/run"), "job-a").release()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("ddptrain: warning: could not release the hold on s3://bucket/run ("), lines
+    assert "it goes stale 60 s after its last heartbeat" in lines[0]

@@ -28,6 +28,7 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -194,8 +195,11 @@ class RemoteHold:
         try:
             if self.record().get("job") == self.job:
                 self.remote.remove(HOLD_FILE)
-        except OSError:
-            pass  # the store is unreachable: the heartbeat goes stale in STALE_S
+        except Exception as error:  # noqa: BLE001 - any client's error for a store that is unreachable
+            text = " ".join(str(error).split())[:160]
+            print(f"ddptrain: warning: could not release the hold on {self.remote.url} ({type(error).__name__}: "
+                  f"{text}); it goes stale {STALE_S:g} s after its last heartbeat, then the run dir is free",
+                  file=sys.stderr, flush=True)
 
 
 def _try_lock(fd: int) -> bool:
