@@ -202,7 +202,7 @@ class Trainer:
                 error.add_note(f"{STEP_NOTE}{self.progress.global_step + 1}")
                 raise
             if ended_by == "preempted":
-                self._save()
+                self._save(last=True)
                 self.checkpointer.commit()
                 return "preempted"
         self._finish()
@@ -488,18 +488,19 @@ class Trainer:
                           self.ctx.world_size, self.watchdog, forward_syncs=self.strategy.forward_syncs)
         return {f"eval_{k}": v for k, v in result.items()}
 
-    def _save(self) -> None:
+    def _save(self, last: bool = False) -> None:
         """A snapshot after the current step, if the checkpointer wants one (every rank calls
-        it): the guard checks first, and the epoch's loss so far goes in, reduced over every rank."""
+        it): the guard checks first, and the epoch's loss so far goes in, reduced over every rank.
+        ``last``: the checkpointer's commit follows before anything changes the state."""
         if not self.checkpointer.wants(self.progress.global_step):
             return
         reduced = self._reduce()
         self.losses.note_reduced(float(reduced["loss_total"]), int(reduced["loss_steps"]))
         self._share_buffers(self.progress.global_step)
-        self.checkpointer.save(self.progress.global_step)
+        self.checkpointer.save(self.progress.global_step, last=last)
 
     def _finish(self) -> None:
-        self._save()
+        self._save(last=True)
         self.checkpointer.commit()
         self._share_buffers(self.progress.global_step)  # (a no-op when _save just did it: rare)
         weights = self.strategy.full_model_state(self.module)  # every rank helps under fsdp

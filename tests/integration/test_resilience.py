@@ -27,7 +27,7 @@ def _assert_names_rank_1(err: str) -> None:
     assert lines[1].endswith('ddptrain_test_tasks.py:37 in wrapped: on_step(calls["n"])'), err  # the user's frames
     assert lines[2].endswith("ddptrain_test_tasks.py:58 in maybe_fail: raise RuntimeError("
                              'f"deliberate failure on rank {rank} at step {step}")'), err
-    assert lines[3] == "ddptrain: rank 0 stopped after another rank failed", err
+    assert lines[3].startswith("ddptrain: rank 0 stopped "), err  # after rank 1 failed, or by the launcher
     assert len(lines) == 5 and "Traceback" not in err, err
     error_file = lines[-1].split("rank 1's full traceback: ", 1)[1]
     full = open(error_file).read()

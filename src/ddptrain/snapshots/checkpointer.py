@@ -138,10 +138,12 @@ class Checkpointer:
         fresh start recreates that state exactly), none twice."""
         return global_step not in (0, self.saved_step)
 
-    def save(self, global_step: int) -> None:
+    def save(self, global_step: int, last: bool = False) -> None:
         """Every rank calls this after the same step; the files are written in the background.
 
-        One file (ddp): rank 0 copies the state to CPU and its writer thread saves the copy. A
+        One file (ddp): rank 0 copies the state to CPU and its writer thread saves the copy
+        (``last``: no step follows before ``commit``, so CPU tensors are written as they are:
+        a copy of the whole state at the end was a CPU ddp run's peak memory). A
         DCP folder (fsdp): every rank hands its shards to dcp.async_save, rank 0 the rest. Each
         writer finishes its previous write before the gather below, so after the gather every
         rank knows that snapshot was committed, and checks that it can see it (shared storage)."""
@@ -162,10 +164,10 @@ class Checkpointer:
         if self.sharded:
             state = self.state_dict()
             shards = {"model": state.pop("model"), "optimizer": state.pop("optimizer")}
-            extra = {**meta, **files.cpu_copy(state)} if self.ctx.is_main else None
-            self.writer.submit(shards, extra, self.dir, global_step, self.cfg.keep)
+            extra = {**meta, **files.cpu_copy(state, copy=not last)} if self.ctx.is_main else None
+            self.writer.submit(shards, extra, self.dir, global_step, self.cfg.keep, last=last)
         elif self.writer is not None:
-            self.writer.submit({**meta, **files.cpu_copy(self.state_dict())}, self.dir, self.cfg.keep)
+            self.writer.submit({**meta, **files.cpu_copy(self.state_dict(), copy=not last)}, self.dir, self.cfg.keep)
         self.saved_step = global_step
         self.saved_progress = dict(self.states["progress"].state_dict()) if "progress" in self.states else {}
         self.last_saved_at = time.perf_counter()

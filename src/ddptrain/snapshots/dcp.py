@@ -69,17 +69,20 @@ class DCPWriter(files.BackgroundWrite):
 
     def __init__(self, group: Any, is_main: bool, remote: RemoteDir | None = None) -> None:
         self.group, self.is_main, self.remote = group, is_main, remote
+        self.last = False
         self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-dcp") if is_main else None
 
     def submit(self, shards: dict[str, Any], meta: dict[str, Any] | None, directory: Path, step: int,
-               keep: int) -> None:
+               keep: int, last: bool = False) -> None:
+        """``last``: no step follows before the commit, so the shards are written as they are
+        (``dcp.save``), without async_save's copy of them to CPU memory."""
         self.wait()
+        self.last = last
         if self.remote is not None:
             self._submit_remote(shards, meta, step, keep)
             return
         partial = partial_folder(directory, step)
-        # (a Future: async_save returns another type only when asked to, with async_stager)
-        saved = cast(Future, dcp.async_save(shards, checkpoint_id=partial, process_group=self.group))
+        saved = self._save(shards, checkpoint_id=partial, process_group=self.group)
         if self.committer is not None:
             final = directory / files.snapshot_name(step, folder=True)
             self.pending = self.committer.submit(commit, saved, meta or {}, partial, final, keep)
@@ -92,11 +95,20 @@ class DCPWriter(files.BackgroundWrite):
         assert self.remote is not None
         name = files.snapshot_name(step, folder=True)
         writer = FsspecWriter(self.remote.url_of(f"snapshots/{name}"))
-        saved = cast(Future, dcp.async_save(shards, storage_writer=writer, process_group=self.group))
+        saved = self._save(shards, storage_writer=writer, process_group=self.group)
         if self.committer is not None:
             self.pending = self.committer.submit(commit_remote, saved, meta or {}, self.remote, name, keep)
         else:
             self.pending = saved
+
+    def _save(self, shards: dict[str, Any], **where: Any) -> Future[Any]:
+        if not self.last:
+            # (a Future: async_save returns another type only when asked to, with async_stager)
+            return cast(Future, dcp.async_save(shards, **where))
+        done: Future[Any] = Future()
+        dcp.save(shards, **where)
+        done.set_result(None)
+        return done
 
     def close(self, wait: bool = True) -> None:
         if wait:

@@ -196,14 +196,15 @@ def write_snapshot(state: dict[str, Any], directory: Path, keep: int) -> Path:
     return path
 
 
-def cpu_copy(obj: Any) -> Any:
-    """``obj`` with every tensor replaced by a CPU copy (dicts, lists and tuples followed)."""
+def cpu_copy(obj: Any, copy: bool = True) -> Any:
+    """``obj`` with every tensor replaced by a CPU copy (dicts, lists and tuples followed);
+    ``copy=False``: tensors already on the CPU are kept as they are (nothing will change them)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return obj.detach().to("cpu", copy=copy)
     if isinstance(obj, dict):
-        return {k: cpu_copy(v) for k, v in obj.items()}
+        return {k: cpu_copy(v, copy) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(cpu_copy(v) for v in obj)
+        return type(obj)(cpu_copy(v, copy) for v in obj)
     return obj
 
 
