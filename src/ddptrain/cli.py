@@ -71,7 +71,8 @@ def build_parser() -> OneLineParser:
     report.add_argument("run_dir", help="a run directory holding metrics.jsonl")
     report.add_argument("--sync", default=None, metavar="TRACKER",
                         help="send the run's records that TRACKER (mlflow, wandb, csv, tensorboard) missed, "
-                        "each step once, to the same tracker run")
+                        "each step once, to the same tracker run; 'store': upload what this machine's mirror "
+                        "of an s3:// run dir holds and the store lacks (a run that ended while it was down)")
     export = commands.add_parser("export", help="a run's weights as safetensors, a Hugging Face folder, "
                                  "or a plain torch state_dict")
     export.add_argument("run_dir", help="a run directory (its model.pt, or --snapshot N)")
@@ -111,7 +112,9 @@ def report(args: argparse.Namespace) -> int:
     from .observe.report import format_summary, plot_curves, summarize
     from .storage import readable_copy
 
-    if args.sync:  # a wrong name is refused before anything is printed, written or fetched
+    if args.sync == "store":
+        print(sync_store(args.run_dir))  # first: the report then reads what the store holds
+    elif args.sync:  # a wrong name is refused before anything is printed, written or fetched
         from .observe.trackers import tracker_named
 
         tracker_named(args.sync)
@@ -126,9 +129,34 @@ def report(args: argparse.Namespace) -> int:
         from .export import export_command_hint
 
         print(export_command_hint(args.run_dir))
-    if args.sync:
+    if args.sync and args.sync != "store":
         print(sync_tracker(run_dir, args.sync, summary))
     return 0
+
+
+def sync_store(url: str) -> str:
+    """``report URL --sync store``: this machine's mirror's uploads that never happened."""
+    from .config import RunConfig
+    from .storage import RemoteDir, check_location, is_remote, local_dir
+    from .uploads import sync_line, sync_up
+
+    if not is_remote(url):
+        raise ConfigError(f"--sync store: {url} is a local folder; give the run dir on a store (s3://BUCKET/PREFIX) "
+                          "whose mirror on this machine holds what it lacks")
+    check_location(url, flag="run dir")
+    remote, mirror = RemoteDir(url), local_dir(url)
+    if not mirror.is_dir():
+        raise ConfigError(f"--sync store: this machine has no mirror of {url} ({mirror}); run it on the machine "
+                          "that trained it")
+    remote.check()
+    config = json.loads((mirror / "config.json").read_text()) if (mirror / "config.json").is_file() else {}
+    try:
+        sent = sync_up(remote, mirror, int(config.get("keep") or RunConfig.__dataclass_fields__["keep"].default))
+    except Exception as error:  # noqa: BLE001 - every client's own errors
+        text = " ".join(str(error).split())[:160]
+        raise ConfigError(f"--sync store: {url} failed ({type(error).__name__}: {text}); nothing in {mirror} was "
+                          "removed: run this again once it answers") from None
+    return sync_line(url, sent)
 
 
 def sync_tracker(run_dir: Path, name: str, summary: dict[str, Any]) -> str:

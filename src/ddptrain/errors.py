@@ -44,6 +44,11 @@ class DiskFull(RuntimeError):
     being written, which snapshot is intact), exit status 1."""
 
 
+class StoreBehind(RuntimeError):
+    """A run dir's store did not take the run's last uploads in time: one line (what is not
+    uploaded, where it is safe, the command that uploads it), exit status 1."""
+
+
 class SnapshotError(ConfigError):
     """A snapshot cannot be used: one line naming the file and the problem."""
 

@@ -3,17 +3,16 @@
 A remote run dir has a local mirror on every machine, ``local_dir(url)`` (under
 ``DDPTRAIN_CACHE``, default ``~/.cache/ddptrain``): the rest of ddptrain works on that folder
 as on any run dir. What is this machine's alone stays there (the launcher's logs, pids, hang
-stacks, traces); what makes the run is copied up as it is written (snapshots, metrics.jsonl,
-config.json, model.pt, the trackers' files) and down when a run starts (``RemoteDir.pull``),
-so the same command on any machine resumes where the run stopped.
+stacks, traces); what makes the run is uploaded behind the training (uploads.py: snapshots,
+metrics.jsonl, config.json, model.pt, the trackers' files; an outage costs the store, never
+the work) and downloaded when a run starts (``RemoteDir.pull_snapshots``), so the same command
+on any machine resumes where the run stopped.
 
 Object stores have no atomic rename, so a snapshot is committed by its manifest
 (``snapshots/<name>.manifest``: every file of it and its size), written after every file:
 a snapshot without one (an upload cut short) is never loaded, and rotation removes the
-manifest before the files. FSDP's DCP folders are written straight to the bucket by torch's
-fsspec writer; one-file snapshots are written locally, then uploaded.
+manifest before the files.
 """
-
 from __future__ import annotations
 
 import hashlib
@@ -30,6 +29,11 @@ MANIFEST = ".manifest"
 _SNAPSHOT = re.compile(r"^step-(\d{9})(\.pt)?$")
 # What makes a run (copied up as written, down at start); the rest of a run dir is the machine's.
 RUN_FILES = ("metrics.jsonl", "config.json", "trackers.json", "metrics.csv", "hf_model.json")
+
+
+def snapshot_number(name: str) -> int:
+    """The global step in a snapshot's name (``step-000000042.pt``, ``step-000000042``)."""
+    return int(name.removeprefix("step-").split(".", 1)[0])
 
 
 def is_remote(run_dir: str | os.PathLike[str] | None) -> bool:
@@ -79,6 +83,23 @@ def check_location(run_dir: str | os.PathLike[str] | None, flag: str = "--run-di
         raise ConfigError(f"{flag} {url}: needs the {module} package; pip install 'ddptrain[{extra}]'")
 
 
+def _quiet_dropped_connections() -> None:
+    """A store that drops its connections leaves aiohttp's write tasks failed and never awaited
+    (the request itself failed, and is retried): asyncio would print each as "Task exception was
+    never retrieved" with a traceback. fsspec's event loop (its own thread) drops those; any
+    other problem there is reported as asyncio would."""
+    import fsspec.asyn
+
+    loop = fsspec.asyn.get_loop()
+
+    def handler(loop: Any, context: dict[str, Any]) -> None:
+        if isinstance(context.get("exception"), ConnectionError) and "never retrieved" in context.get("message", ""):
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
 def remote_of(run_dir: str | os.PathLike[str] | None) -> RemoteDir | None:
     return RemoteDir(str(run_dir)) if is_remote(run_dir) else None
 
@@ -96,11 +117,17 @@ class RemoteDir:
         if self._fs is None:
             import fsspec
 
+            # An unreachable S3 endpoint fails a request in seconds, not botocore's minutes of
+            # retries: uploads.py retries with its own backoff while the training goes on.
+            options = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 60,
+                                         "retries": {"max_attempts": 2}}} if self.scheme == "s3" else {}
             try:
-                self._fs = fsspec.filesystem(self.scheme, use_listings_cache=False, skip_instance_cache=True)
+                self._fs = fsspec.filesystem(self.scheme, use_listings_cache=False, skip_instance_cache=True,
+                                             **options)
             except ImportError:
                 check_location(self.url)  # names the package and its extra
                 raise
+            _quiet_dropped_connections()
         return self._fs
 
     def path(self, name: str = "") -> str:
@@ -161,6 +188,15 @@ class RemoteDir:
             return []
         return sorted(str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in entries)
 
+    def files_of(self, folder: str) -> list[str]:
+        """Every file under ``folder``, relative to it (none when there is no such folder)."""
+        prefix = self.path(folder)
+        try:
+            found = self.fs.find(prefix)
+        except FileNotFoundError:
+            return []
+        return [str(path)[len(prefix) + 1:] for path in found if str(path) != prefix]
+
     # --- snapshots -------------------------------------------------------------------------
     def committed(self) -> list[str]:
         """The committed snapshots' names (``step-N.pt`` files, ``step-N`` DCP folders), oldest first."""
@@ -184,22 +220,17 @@ class RemoteDir:
         manifest = {"snapshot": name, "files": listing, "committed_at": time.time()}
         self.fs.pipe_file(self.path(f"snapshots/{name}{MANIFEST}"), json.dumps(manifest).encode())
 
-    def push_snapshot(self, local: Path, keep: int) -> None:
-        """Upload a local snapshot (file or folder), commit it, then rotate to the newest ``keep``."""
-        name = local.name
-        if local.is_dir():
-            for file in sorted(p for p in local.rglob("*") if p.is_file()):
-                self.put(file, f"snapshots/{name}/{file.relative_to(local)}")
-        else:
-            self.put(local, f"snapshots/{name}")
-        self.commit(name)
-        self.rotate(keep)
-
     def rotate(self, keep: int) -> None:
-        """Remove all but the newest ``keep`` committed snapshots: the manifest first."""
-        for old in self.committed()[:-keep]:
+        """Remove all but the newest ``keep`` committed snapshots (the manifest first), and
+        uncommitted ones older than the newest committed (parts of a snapshot that was dropped)."""
+        committed = self.committed()
+        for old in committed[:-keep]:
             self.remove(f"snapshots/{old}{MANIFEST}")
             self.remove(f"snapshots/{old}")
+        newest = snapshot_number(committed[-1]) if committed else -1
+        for orphan in self.uncommitted():
+            if snapshot_number(orphan) < newest:
+                self.remove(f"snapshots/{orphan}")
 
     def pull_snapshots(self, local_snapshots: Path, remove_cut: bool = True) -> list[str]:
         """Make ``local_snapshots`` hold exactly the committed snapshots; ``remove_cut``: remove

@@ -47,6 +47,7 @@ from .snapshots.files import HF_MODEL, atomic_save, snapshot_estimate, space_war
 from .snapshots.restore import restore_point, resumed_config
 from .storage import local_dir, remote_of
 from .tasks.protocol import Task, check_pair, check_task, split_loss
+from .uploads import PREEMPTED_UPLOAD_WAIT_S, Uploader, upload_wait_s
 
 LOSS_DISPLAY_EVERY = 20  # steps between progress-bar loss reads (each read syncs the device)
 GRADIENT_SYNC = "the gradient all-reduce"
@@ -91,6 +92,7 @@ class Trainer:
         self.remote = remote_of(self.cfg.run_dir)
         self.watchdog = ctx.watchdog
         self.strategy = make_strategy(cfg, ctx)
+        self.uploads = self._uploader()  # a run dir on a store: its files go up behind the training
         self.module = task.model  # unwrapped: state_dict, evaluation, model.pt
         if cfg.sync_batchnorm:
             if self.device.type != "cuda":
@@ -105,7 +107,7 @@ class Trainer:
         self.params = params = list(self.model.parameters())
         self.optimizer = task.make_optimizer(params) if task.make_optimizer else build_optimizer(params, cfg)
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16" and self.device.type == "cuda")
-        self.reporter = (Reporter(self.cfg, self.run_dir, self.remote) if ctx.is_main
+        self.reporter = (Reporter(self.cfg, self.run_dir, self.uploads) if ctx.is_main
                          else NullReporter(self.cfg, self.run_dir))
         # Where the run starts decides the batch size (a resume on another world size keeps the
         # snapshot's global batch), and the batch size the data, the epoch and the schedule.
@@ -130,7 +132,7 @@ class Trainer:
                     # one table in the snapshot format: where the run is, the epoch's loss so far, skips
                     "progress": OneTable(self.progress, self.losses, self.guard)},
             per_rank={"data": self.batches} if isinstance(self.batches, StreamBatches) else {},
-            start=self.start, group=self.cpu_group, remote=self.remote,
+            start=self.start, group=self.cpu_group, remote=self.remote, uploads=self.uploads,
             on_committed=self.ray.committed if self.ray.active else None)
         self.stop_signal = StopSignal(self.cpu_group, self.checkpointer.due_by_time if ctx.is_main else None,
                                       self.watchdog)
@@ -157,6 +159,8 @@ class Trainer:
             self.stop_signal.close(wait=False)  # a peer may never answer: leave at once
             self.checkpointer.close(wait=False)
             self.reporter.close("failed")
+            if self.uploads is not None:
+                self.uploads.close(wait_s=0, at_end=False)  # what is left: named in the mirror's ledger
             raise
         finally:
             self.profiler.close()
@@ -164,6 +168,10 @@ class Trainer:
             self.reporter.close("stopped")
         self.stop_signal.close()
         self.checkpointer.close()
+        if self.uploads is not None:  # bounded; a store still down is one line (StoreBehind), exit 1
+            preempted = outcome == "preempted"  # the grace period is short: the next start syncs the rest
+            self.uploads.close(wait_s=min(upload_wait_s(), PREEMPTED_UPLOAD_WAIT_S) if preempted else None,
+                               at_end=not preempted)
         return outcome
 
     def train(self, max_epochs: int | None = None) -> str:
@@ -507,13 +515,23 @@ class Trainer:
         if weights is not None:
             atomic_save(weights, self.run_dir / "model.pt")
             described = write_hf_model(self.module, self.run_dir)  # export --format hf needs no task then
-            if self.remote is not None:
-                self.remote.put(self.run_dir / "model.pt", "model.pt")
+            if self.uploads is not None:
+                self.uploads.add_file("model.pt")
                 if described:
-                    self.remote.put(self.run_dir / HF_MODEL, HF_MODEL)
+                    self.uploads.add_file(HF_MODEL)
         with self.watchdog.waiting("the end: waiting for model.pt"):
             dist.barrier()  # model.pt is complete before any rank reports success
         self.reporter.finish()
+
+    def _uploader(self) -> Uploader | None:
+        """A run dir on a store: rank 0 uploads the run; under FSDP a rank on another machine
+        than rank 0's uploads its own shard files (uploads.py)."""
+        if self.remote is None:
+            return None
+        on_main_machine = self.ctx.rank < self.ctx.local_world_size
+        if not (self.ctx.is_main or (self.strategy.snapshot_format == "dcp" and not on_main_machine)):
+            return None
+        return Uploader(self.remote, self.run_dir, self.cfg.keep, speaks=self.ctx.is_main)
 
     # --- state -----------------------------------------------------------------------------------
     @property

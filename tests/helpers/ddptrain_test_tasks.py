@@ -116,13 +116,13 @@ def kill_during_async_save(cfg) -> Task:
     target, marker = int(os.environ["KILL_SNAPSHOT"]), Path(os.environ["KILL_MARKER"])
     real_commit, calls = sharded.commit, {"n": 0}
 
-    def dying_commit(future, meta, partial, final, keep):
+    def dying_commit(future, meta, partial, final, keep, *rest):
         calls["n"] += 1
         if calls["n"] == target and _first_attempt(marker):
             future.result()
             marker.write_text(str(partial))
             os.kill(os.getpid(), signal.SIGKILL)
-        return real_commit(future, meta, partial, final, keep)
+        return real_commit(future, meta, partial, final, keep, *rest)
 
     sharded.commit = dying_commit
     return digits_task(cfg)
@@ -399,3 +399,10 @@ def paced(cfg) -> Task:
     """The regression task with STEP_SLEEP seconds per step: long enough to change membership mid-run."""
     pause = float(os.environ.get("STEP_SLEEP", "0.05"))
     return _on_step(regression_task(cfg), lambda n: time.sleep(pause))
+
+
+def slow_steps(cfg) -> Task:
+    """The regression task, each step first sleeping STEP_SLEEP seconds on every rank (a run that
+    lasts long enough for something outside it to happen meanwhile); the same math."""
+    seconds = float(os.environ.get("STEP_SLEEP", "0"))
+    return _on_step(regression_task(cfg), lambda n: time.sleep(seconds))

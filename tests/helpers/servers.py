@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -21,8 +22,23 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+# A watcher beside each server: when the process that started the server is gone (pytest killed at
+# a time limit, without its fixtures' teardown), it kills the server's session, workers and all.
+WATCH = """
+import os, signal, sys, time
+parent, group = int(sys.argv[1]), int(sys.argv[2])
+while os.getppid() == parent:
+    time.sleep(0.5)
+try:
+    os.killpg(group, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+
+
 class LoopbackServer:
-    """A server process of its own session (``kill`` takes its workers too) on a free port."""
+    """A server process of its own session (``kill`` takes its workers too) on a free port; it
+    ends with the process that started it, however that ends (``WATCH``)."""
 
     health_path = "/"
     environment: dict[str, str] = {}
@@ -30,6 +46,7 @@ class LoopbackServer:
     def __init__(self, folder: Path) -> None:
         self.folder, self.port = Path(folder), free_port()
         self.process: subprocess.Popen | None = None
+        self.watcher: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
@@ -45,6 +62,8 @@ class LoopbackServer:
         self.process = subprocess.Popen(self.command(), stdout=open(log, "a"), stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=clean_env(**self.environment),
                                         start_new_session=True)
+        self.watcher = subprocess.Popen([sys.executable, "-c", WATCH, str(os.getpid()), str(self.process.pid)],
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -61,6 +80,16 @@ class LoopbackServer:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=30)
+        if self.watcher is not None:
+            self.watcher.kill()
+            self.watcher.wait(timeout=30)
+
+
+class HttpServer(LoopbackServer):
+    """Python's own file server: the cheapest server there is (the watcher's test)."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(self.port)]
 
 
 class MlflowServer(LoopbackServer):

@@ -4,12 +4,14 @@ uploads cut before their manifest, bad credentials and buckets."""
 
 import io
 import json
+import time
 
 import pytest
 import torch
 
-from ddptrain import ConfigError, TrainingFailed
-from helpers.commands import assert_same_weights, clean_env, ddptrain_cli, fit, load_model
+from ddptrain import ConfigError, TrainingFailed, free_port
+from helpers.commands import BIN, assert_same_weights, clean_env, ddptrain_cli, fit, load_model
+from helpers.proxy import TcpProxy
 
 pytestmark = pytest.mark.slow
 TASKS = "ddptrain_test_tasks:"
@@ -137,3 +139,136 @@ def test_report_and_export_read_a_run_on_the_store_as_its_mirror(s3_server, tmp_
     assert f"ddptrain export: {url} (model.pt)" in capsys.readouterr().out
     assert_same_weights(torch.load(tmp_path / "remote.pt", weights_only=True),
                         torch.load(tmp_path / "mirror.pt", weights_only=True), exact=True)
+
+
+# --- the store goes away: a proxy in front of the server is cut, the server and its data stay -----
+OUTAGE_TRAIN = ["train", "--task", TASKS + "slow_steps", "--nproc", "2", "--max-epochs", "3", "--save-every", "5",
+                "--momentum", "0.9"]
+
+
+def _start_cut_run(s3_server, proxy, tmp_path, start, url, **more):
+    """``ddptrain train`` through ``proxy``, cut as soon as the store holds a committed snapshot."""
+    env = clean_env(**_machine(s3_server, tmp_path, "machine", AWS_ENDPOINT_URL=proxy.url, **more))
+    process = start([str(BIN / "ddptrain"), *OUTAGE_TRAIN, "--run-dir", url], env=env)
+    fs, prefix = s3_server.filesystem(), url.removeprefix("s3://")
+    deadline = time.monotonic() + 120
+    while not fs.glob(f"{prefix}/snapshots/*.manifest"):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    proxy.cut()
+    return process, env
+
+
+def _stored_weights(s3_server, prefix):
+    fs = s3_server.filesystem()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{prefix}/snapshots"))
+    newest = torch.load(io.BytesIO(fs.cat_file(f"{prefix}/snapshots/{names[-2]}")), weights_only=True)
+    return names, newest
+
+
+def test_the_store_cut_for_30_s_mid_run_costs_nothing(s3_server, tmp_path, local_runs, start):
+    proxy = TcpProxy(s3_server.port).start()
+    url = s3_server.bucket("outage") + "/run"
+    process, _ = _start_cut_run(s3_server, proxy, tmp_path, start, url, STEP_SLEEP="0.5")
+    time.sleep(30)
+    assert process.poll() is None, "the training went on through the outage"
+    proxy.restore()
+    out, err = process.communicate(timeout=180)
+    proxy.close()
+    assert process.returncode == 0, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("ddptrain:")]
+    assert len(lines) == 2, err
+    assert lines[0].startswith(f"ddptrain: warning: the store {url} does not answer (")
+    assert lines[1].startswith(f"ddptrain: the store {url} answers again after "), lines
+    assert "; caught up: " in lines[1]
+
+    local = local_runs / "ddp"
+    assert_same_weights(_remote_model(s3_server, "outage/run"), load_model(local), exact=True)
+    names, newest = _stored_weights(s3_server, "outage/run")
+    assert names == ["step-000000095.pt", "step-000000095.pt.manifest", "step-000000096.pt",
+                     "step-000000096.pt.manifest"]  # everything taken during the outage, rotated
+    reference = torch.load(local / "snapshots" / "step-000000096.pt", weights_only=True)
+    for part in ("model", "optimizer"):
+        assert_same_weights(dict(_flat(newest[part])), dict(_flat(reference[part])), exact=True)
+    assert not list(tmp_path.glob("machine/runs/s3/*/.not-uploaded.json"))
+    assert sorted(p.name for p in tmp_path.glob("machine/runs/s3/*/snapshots/*")) == [
+        "step-000000095.pt", "step-000000096.pt"]  # the mirror rotated once the store held them
+
+
+def _flat(state, prefix=""):
+    """(name, tensor) of every tensor in a nested state (the optimizer's)."""
+    if isinstance(state, torch.Tensor):
+        yield prefix, state
+    elif isinstance(state, dict):
+        for key, value in state.items():
+            yield from _flat(value, f"{prefix}.{key}")
+    elif isinstance(state, (list, tuple)):
+        for index, value in enumerate(state):
+            yield from _flat(value, f"{prefix}.{index}")
+
+
+def test_a_store_still_down_at_the_end_is_one_line_and_a_later_sync_uploads_everything(s3_server, tmp_path,
+                                                                                          local_runs, start):
+    proxy = TcpProxy(s3_server.port).start()
+    url = s3_server.bucket("down") + "/run"
+    process, env = _start_cut_run(s3_server, proxy, tmp_path, start, url, STEP_SLEEP="0.05",
+                                  DDPTRAIN_UPLOAD_WAIT_S="3")
+    out, err = process.communicate(timeout=180)
+    assert process.returncode == 1, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("ddptrain:")]
+    assert lines[0].startswith(f"ddptrain: warning: the store {url} does not answer ("), err
+    assert lines[1].startswith(f"ddptrain: waiting up to 3 s for the store {url} ("), err
+    assert lines[2].startswith(f"ddptrain: error: the store {url} did not take the run's last uploads within 3 s ")
+    assert f"upload them with: ddptrain report {url} --sync store" in lines[2]
+    assert len(lines) == 3, err
+
+    [mirror] = tmp_path.glob("machine/runs/s3/*")
+    assert (mirror / ".not-uploaded.json").is_file()
+    assert_same_weights(load_model(mirror), load_model(local_runs / "ddp"), exact=True)  # safe in the mirror
+    assert "step-000000096.pt" in [p.name for p in (mirror / "snapshots").iterdir()]
+    assert not s3_server.filesystem().exists("down/run/model.pt")
+
+    proxy.restore()
+    again = ddptrain_cli(*OUTAGE_TRAIN, "--run-dir", url, env=env)  # the same command: the mirror's uploads first
+    assert again.returncode == 0, again.stderr
+    assert again.stderr.startswith("ddptrain: uploaded 7 file(s) an earlier run on this machine could not "), \
+        again.stderr  # the newest 2 snapshots and their manifests, model.pt, config.json, metrics.jsonl
+    assert "already finished" in again.stdout, again.stdout
+    synced = ddptrain_cli("report", url, "--sync", "store", env=env)
+    proxy.close()
+    assert synced.returncode == 0, synced.stderr
+    assert synced.stdout.startswith(f"store: uploaded 3 file(s) the mirror held and {url} lacked"), \
+        synced.stdout  # the run files and model.pt again (they are small): nothing is newer
+    assert_same_weights(_remote_model(s3_server, "down/run"), load_model(local_runs / "ddp"), exact=True)
+    names, _ = _stored_weights(s3_server, "down/run")
+    assert names == ["step-000000095.pt", "step-000000095.pt.manifest", "step-000000096.pt",
+                     "step-000000096.pt.manifest"]
+    assert not (mirror / ".not-uploaded.json").exists()
+    records = s3_server.filesystem().cat_file("down/run/metrics.jsonl").decode().splitlines()
+    assert [json.loads(r)["step"] for r in records] == [32, 64, 96]
+
+
+def test_fsdp_on_two_machines_uploads_each_machines_shards_from_its_own_mirror(s3_server, tmp_path, local_runs,
+                                                                                start):
+    """Two torchrun agents, each a "machine" with its own mirror: rank 0 uploads its folder, rank 1
+    its shard file; each snapshot is committed once both are in the store."""
+    url = s3_server.bucket("two-machines") + "/run"
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [start([str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-machines", "-m", "ddptrain", "train",
+                     "--task", "digits", "--strategy", "fsdp", "--max-epochs", "2", "--save-every", "10",
+                     "--run-dir", url], env=clean_env(**_machine(s3_server, tmp_path, f"machine-{node}")))
+              for node in range(2)]
+    outputs = [agent.communicate(timeout=300) for agent in agents]
+    assert [a.returncode for a in agents] == [0, 0], outputs
+    assert_same_weights(_remote_model(s3_server, "two-machines/run"), load_model(local_runs / "fsdp"), exact=True)
+    fs = s3_server.filesystem()
+    committed = sorted(p.rsplit("/", 1)[-1] for p in fs.glob("two-machines/run/snapshots/*.manifest"))
+    assert committed == ["step-000000040.manifest", "step-000000046.manifest"]
+    for name in ("step-000000040", "step-000000046"):
+        manifest = json.loads(fs.cat_file(f"two-machines/run/snapshots/{name}.manifest"))
+        assert {".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"} <= set(manifest["files"])
+    # machine 1 holds nothing of the snapshots once its shards are uploaded
+    assert not [p for p in (tmp_path / "machine-1").rglob("*") if "snapshots" in str(p) and p.is_file()]

@@ -38,3 +38,15 @@ def test_cpus_have_no_peak_unless_given():
 def test_a_small_models_tflops_keep_three_significant_digits():
     record = throughput_record(64, 1.0, 8, 1.2345e7, None, 0.5, 2)  # 8 steps of 12.3 MFLOP in 1 s
     assert record["tflops"] == 9.88e-5 and record["mfu"] == 9.88e-5
+
+
+def test_the_summary_keeps_a_small_models_tflops_to_3_significant_digits(tmp_path):
+    import json
+
+    from ddptrain.observe.report import summarize
+
+    epochs = [{"kind": "epoch", "epoch": e, "step": 32 * (e + 1), "train_loss": 1.0, "epoch_time_s": 0.3,
+               "samples_per_s": 7850.04, "tflops": 5.2134e-07, "mfu": 1.23456e-05} for e in range(2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in epochs))
+    summary = summarize(tmp_path)
+    assert (summary["tflops"], summary["mfu"], summary["samples_per_s"]) == (5.21e-07, 1.23e-05, 7850.0)

@@ -13,7 +13,6 @@ from typing import Any
 
 from ..config import RunConfig
 from ..console import say
-from ..storage import RemoteDir
 from .tracking import Tracking
 
 
@@ -54,9 +53,10 @@ TRACKER_WAIT_S = 10.0
 class Reporter:
     """Rank 0's reporting: console lines, progress bar, metrics.jsonl, the trackers, the summary."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, remote: RemoteDir | None = None) -> None:
-        """``remote``: the run dir on a store (``run_dir`` its local mirror): the run's files go up too."""
-        self.cfg, self.run_dir, self.remote = cfg, Path(run_dir), remote
+    def __init__(self, cfg: RunConfig, run_dir: Path, uploads: Any = None) -> None:
+        """``uploads``: a run dir on a store (``run_dir`` its local mirror): its uploads.Uploader,
+        which takes the run's files up too."""
+        self.cfg, self.run_dir, self.uploads = cfg, Path(run_dir), uploads
         self.bar: Any = None
         self.tracking: Tracking | None = None
 
@@ -119,11 +119,11 @@ class Reporter:
         self._upload("metrics.jsonl", "trackers.json", "metrics.csv")
 
     def _upload(self, *names: str) -> None:
-        """A run dir on a store: these files as they are now (each a whole object)."""
-        if self.remote is not None:
+        """A run dir on a store: these files go up behind the training (each a whole object)."""
+        if self.uploads is not None:
             for name in names:
                 if (self.run_dir / name).is_file():
-                    self.remote.put(self.run_dir / name, name)
+                    self.uploads.add_file(name)
 
     def finish(self) -> None:
         summary = summarize(self.run_dir)
@@ -234,10 +234,11 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "steps": records[-1]["step"] if records else 0,
         "wall_time_s": round(sum(r.get("epoch_time_s", 0.0) for r in epochs), 2),
     }
-    for name, digits in (("samples_per_s", 1), ("tokens_per_s", 1), ("tflops", 4), ("mfu", 4)):
+    for name in ("samples_per_s", "tokens_per_s", "tflops", "mfu"):
         rates = [r[name] for r in epochs if r.get(name)]
-        if rates:
-            summary[name] = round(sum(rates) / len(rates), digits)
+        if rates:  # rates to 0.1; TFLOP/s and MFU to 3 significant digits (a small model's are not 0)
+            mean = sum(rates) / len(rates)
+            summary[name] = round(mean, 1) if name.endswith("_per_s") else float(f"{mean:.3g}")
     if epochs:
         summary["train_loss"] = epochs[-1]["train_loss"]
     evaluated = [r for r in records if any(k.startswith("eval_") for k in r)]

@@ -30,6 +30,7 @@ from ..errors import (
     RankStuck,
     SnapshotError,
     StorageNotShared,
+    StoreBehind,
 )
 
 # A rank's error arrives as text ("ExceptionType: message", torch's error file): matched by
@@ -41,7 +42,7 @@ STUCK = (RankStuck.__name__, PeerStuck.__name__)
 TERMINATED = "SignalException"
 # Reported as one line "ddptrain: error: ..." (no traceback); the value is the exit status.
 ONE_LINE = {ConfigError.__name__: 2, SnapshotError.__name__: 2, StorageNotShared.__name__: 2,
-            NonFiniteError.__name__: 1, DiskFull.__name__: 1}
+            NonFiniteError.__name__: 1, DiskFull.__name__: 1, StoreBehind.__name__: 1}
 # What a rank sees when its peer has died: the peer is the cause, not this rank.
 LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ECONNRESET",
              "Socket closed", "Connection refused")

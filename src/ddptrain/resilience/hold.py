@@ -36,9 +36,11 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..storage import RemoteDir
+from ..uploads import LEDGER
 
 HOLD_FILE = ".hold"
 HEARTBEAT_S = 10.0
+RELEASE_WAIT_S = 5.0  # seconds the end waits to remove a store's hold record
 STALE_S = 60.0  # a heartbeat older than this (seen from another host) is a dead holder's
 
 
@@ -103,8 +105,8 @@ class RunDirHold:
         self._stop.set()
         if self.fd is None:
             return
-        if self.remote is not None:
-            self.remote.release()
+        if self.remote is not None:  # quiet when the run's last line already said the store is down
+            self.remote.release(quiet=(self.path.parent / LEDGER).is_file())
         try:
             holder = _read(self.fd)
             if holder.get("job") == self.job and holder.get("pid") == os.getpid():
@@ -191,15 +193,32 @@ class RemoteHold:
                   "heartbeat": time.time()}
         self.remote.fs.pipe_file(self.remote.path(HOLD_FILE), json.dumps(record).encode())
 
-    def release(self) -> None:
-        try:
-            if self.record().get("job") == self.job:
-                self.remote.remove(HOLD_FILE)
-        except Exception as error:  # noqa: BLE001 - any client's error for a store that is unreachable
-            text = " ".join(str(error).split())[:160]
-            print(f"ddptrain: warning: could not release the hold on {self.remote.url} ({type(error).__name__}: "
-                  f"{text}); it goes stale {STALE_S:g} s after its last heartbeat, then the run dir is free",
-                  file=sys.stderr, flush=True)
+    def release(self, quiet: bool = False) -> None:
+        """Remove our record, waiting at most RELEASE_WAIT_S (a store that hangs must not hold the
+        job's exit); a store that fails is one warning line (none when ``quiet``): the record
+        goes stale by itself."""
+        failed: list[BaseException] = []
+
+        def remove() -> None:
+            try:
+                if self.record().get("job") == self.job:
+                    self.remote.remove(HOLD_FILE)
+            except Exception as error:  # noqa: BLE001 - any client's error for a store that is unreachable
+                failed.append(error)
+
+        worker = threading.Thread(target=remove, name="ddptrain-release", daemon=True)
+        worker.start()
+        worker.join(RELEASE_WAIT_S)
+        if worker.is_alive():
+            why = f"no answer within {RELEASE_WAIT_S:g} s"
+        elif failed:
+            why = f"{type(failed[0]).__name__}: {' '.join(str(failed[0]).split())[:160]}"
+        else:
+            return
+        if quiet:
+            return
+        print(f"ddptrain: warning: could not release the hold on {self.remote.url} ({why}); it goes stale "
+              f"{STALE_S:g} s after its last heartbeat, then the run dir is free", file=sys.stderr, flush=True)
 
 
 def _try_lock(fd: int) -> bool:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..comm import CollectiveMarks, DistContext
 from ..config import RunConfig
 from ..errors import StorageNotShared
-from ..storage import MANIFEST, RemoteDir
+from ..storage import RemoteDir
 from . import dcp as snapshot_dcp
 from . import files
 from .restore import Snapshot
@@ -74,12 +74,13 @@ class Checkpointer:
     def __init__(self, cfg: RunConfig, ctx: DistContext, run_dir: Path, strategy: Any, marks: CollectiveMarks,
                  weights: Weights, states: Mapping[str, Stateful], per_rank: Mapping[str, PerRank] | None = None,
                  start: Snapshot | None = None, group: Any = None, remote: RemoteDir | None = None,
-                 on_committed: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+                 uploads: Any = None, on_committed: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         """``per_rank``: states every rank has its own of (a stream's reading position), saved as
         a list by rank and handed back whole on resume; ``start``: the snapshot the run resumes
         from (restore.restore_point), loaded by ``resume``; ``group``: a gloo group for the
         random and per-rank states (None: the default group); ``remote``: the run dir on a store
-        (snapshots go there, committed by their manifests); ``on_committed(location, progress)``:
+        and ``uploads`` this rank's uploads.Uploader to it (snapshots go up behind the training,
+        committed there by their manifests); ``on_committed(location, progress)``:
         called on every rank once every rank knows a snapshot is committed (Ray Train's reports)."""
         self.cfg, self.ctx, self.group, self.marks = cfg, ctx, group, marks
         self.weights, self.states, self.start = weights, dict(states), start
@@ -88,9 +89,10 @@ class Checkpointer:
         self.sharded = strategy.snapshot_format == "dcp"
         if self.sharded:  # DCP's background writes talk on a group of their own
             with marks.waiting("start-up: creating the snapshot writers' process group"):
-                self.writer: Any = snapshot_dcp.DCPWriter(dist.new_group(backend="gloo"), ctx.is_main, remote)
+                self.writer: Any = snapshot_dcp.DCPWriter(dist.new_group(backend="gloo"), ctx.rank, uploads,
+                                                          on_main_machine=ctx.rank < ctx.local_world_size)
         else:
-            self.writer = files.SnapshotWriter(remote) if ctx.is_main else None
+            self.writer = files.SnapshotWriter(uploads) if ctx.is_main else None
         # The newest snapshot's global step (-1: none yet); a resumed one may lie outside our folder.
         self.saved_step = self.resumed_step = start.global_step if start is not None else -1
         self.on_committed, self.announced_step = on_committed, self.saved_step
@@ -217,11 +219,8 @@ class Checkpointer:
     def _check_visible(self, step: int) -> None:
         if step < 0 or step == self.resumed_step:
             return
-        name = files.snapshot_name(step, self.sharded)
-        if self.remote is not None:  # every rank sees the store; the manifest says it is committed
-            if not self.remote.exists(f"snapshots/{name}{MANIFEST}"):
-                raise StorageNotShared(self.ctx.rank, self.remote.url_of(f"snapshots/{name}"))
+        if self.remote is not None:  # each machine's mirror is its own; the store's copy follows behind
             return
-        path = self.dir / name
+        path = self.dir / files.snapshot_name(step, self.sharded)
         if not path.exists():
             raise StorageNotShared(self.ctx.rank, path)

@@ -6,9 +6,9 @@ A snapshot counts only once complete: it is written as ``snapshots/.step-N.parti
 every rank's shard and DCP's metadata are on disk, rank 0 adds ``meta.pt`` (progress,
 schedule, RNG states, ...) and renames the folder to ``snapshots/step-N/``. Only then are
 older snapshots removed. A ``.partial`` folder (a writer killed mid-way) is never loaded:
-it is named in a warning and removed. For a run dir on a store (storage.py), every rank writes
-its shards straight there with torch's fsspec writer, and rank 0 commits the folder by
-writing ``meta.pt``, then the manifest.
+it is named in a warning and removed. A run dir on a store (storage.py) is written the same
+way into this machine's mirror, then uploaded behind the training (uploads.py): rank 0 uploads
+the folder and commits it there; a rank on another machine uploads its own shard files.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from typing import Any, cast
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ..storage import RemoteDir
 from . import files
 
 META = "meta.pt"
@@ -39,70 +38,56 @@ def remove_partials(directory: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def commit_remote(future: Future[Any], meta: dict[str, Any], remote: RemoteDir, name: str, keep: int) -> str:
-    """Rank 0, for a run dir on a store: DCP's files, then ``meta.pt``, then the manifest."""
-    import io
-
-    future.result()
-    buffer = io.BytesIO()
-    torch.save(meta, buffer)
-    remote.fs.pipe_file(remote.path(f"snapshots/{name}/{META}"), buffer.getvalue())
-    remote.commit(name)
-    remote.rotate(keep)
-    return remote.url_of(f"snapshots/{name}")
-
-
-def commit(future: Future[Any], meta: dict[str, Any], partial: Path, final: Path, keep: int) -> Path:
-    """Rank 0: once every rank's shard is written, add the metadata and make it a snapshot."""
+def commit(future: Future[Any], meta: dict[str, Any], partial: Path, final: Path, keep: int,
+           uploads: Any = None) -> Path:
+    """Rank 0: once every rank's shard is written, add the metadata and make it a snapshot
+    (``uploads``: a run dir on a store, whose uploader takes it from here)."""
     future.result()  # DCP's own metadata is written after every rank's shard
     files.atomic_save(meta, partial / META)
     if final.exists():
         shutil.rmtree(final)
     partial.rename(final)  # atomic: the folder appears complete, or not at all
     files.fsync_dir(final.parent)
-    files.rotate(final.parent, keep)
+    files.rotate(final.parent, keep, spare=uploads.pending_snapshots() if uploads is not None else ())
+    if uploads is not None:
+        uploads.add_snapshot(final.name)
     return final
 
 
 class DCPWriter(files.BackgroundWrite):
     """Every rank: an asynchronous DCP save per snapshot; rank 0 also commits it."""
 
-    def __init__(self, group: Any, is_main: bool, remote: RemoteDir | None = None) -> None:
-        self.group, self.is_main, self.remote = group, is_main, remote
-        self.last = False
-        self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-dcp") if is_main else None
+    def __init__(self, group: Any, rank: int, uploads: Any = None, on_main_machine: bool = True) -> None:
+        """``uploads``: this rank's uploads.Uploader (a run dir on a store); ``on_main_machine``:
+        this rank writes into rank 0's mirror (rank 0 uploads the whole folder)."""
+        self.group, self.rank, self.uploads = group, rank, uploads
+        self.uploads_part = uploads is not None and not on_main_machine
+        self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-dcp") if rank == 0 else None
 
     def submit(self, shards: dict[str, Any], meta: dict[str, Any] | None, directory: Path, step: int,
                keep: int, last: bool = False) -> None:
         """``last``: no step follows before the commit, so the shards are written as they are
         (``dcp.save``), without async_save's copy of them to CPU memory."""
         self.wait()
-        self.last = last
-        if self.remote is not None:
-            self._submit_remote(shards, meta, step, keep)
-            return
         partial = partial_folder(directory, step)
-        saved = self._save(shards, checkpoint_id=partial, process_group=self.group)
+        saved = self._save(shards, last, checkpoint_id=partial, process_group=self.group)
         if self.committer is not None:
             final = directory / files.snapshot_name(step, folder=True)
-            self.pending = self.committer.submit(commit, saved, meta or {}, partial, final, keep)
-        else:
-            self.pending = saved
+            self.pending = self.committer.submit(commit, saved, meta or {}, partial, final, keep, self.uploads)
+            return
+        if self.uploads_part:
+            saved.add_done_callback(lambda done: self._upload_part(done, partial))
+        self.pending = saved
 
-    def _submit_remote(self, shards: dict[str, Any], meta: dict[str, Any] | None, step: int, keep: int) -> None:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # torch 2.4+: not exported
+    def _upload_part(self, done: Future[Any], partial: Path) -> None:
+        """Another machine than rank 0's: this rank's shard files go to the store from here."""
+        if done.exception() is None:
+            name = partial.name[1:].removesuffix(".partial")
+            self.uploads.add_part(name, sorted(partial.glob(f"__{self.rank}_*.distcp")))
 
-        assert self.remote is not None
-        name = files.snapshot_name(step, folder=True)
-        writer = FsspecWriter(self.remote.url_of(f"snapshots/{name}"))
-        saved = self._save(shards, storage_writer=writer, process_group=self.group)
-        if self.committer is not None:
-            self.pending = self.committer.submit(commit_remote, saved, meta or {}, self.remote, name, keep)
-        else:
-            self.pending = saved
-
-    def _save(self, shards: dict[str, Any], **where: Any) -> Future[Any]:
-        if not self.last:
+    @staticmethod
+    def _save(shards: dict[str, Any], last: bool, **where: Any) -> Future[Any]:
+        if not last:
             # (a Future: async_save returns another type only when asked to, with async_stager)
             return cast(Future, dcp.async_save(shards, **where))
         done: Future[Any] = Future()

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -24,7 +25,6 @@ from typing import Any, cast
 import torch
 
 from ..errors import DiskFull, SnapshotError
-from ..storage import RemoteDir
 
 FORMAT_VERSION = 2
 _NAME = re.compile(r"^step-(\d{9})(\.pt)?$")  # a file (one rank wrote it) or a DCP folder (sharded)
@@ -57,9 +57,12 @@ def list_snapshots(directory: Path) -> list[Path]:
     return sorted(found, key=snapshot_step)
 
 
-def rotate(directory: Path, keep: int) -> None:
-    """Remove all but the newest ``keep`` snapshots (only ever after a new one is committed)."""
+def rotate(directory: Path, keep: int, spare: Collection[str] = ()) -> None:
+    """Remove all but the newest ``keep`` snapshots (only ever after a new one is committed);
+    ``spare``: names kept whatever their age (a run dir on a store: those not uploaded yet)."""
     for old in list_snapshots(directory)[:-keep]:
+        if old.name in spare:
+            continue
         if old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
         else:
@@ -185,14 +188,14 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_snapshot(state: dict[str, Any], directory: Path, keep: int) -> Path:
-    """Commit ``state`` as the newest snapshot, then rotate. Call on one rank only."""
+def write_snapshot(state: dict[str, Any], directory: Path, keep: int, spare: Collection[str] = ()) -> Path:
+    """Commit ``state`` as the newest snapshot, then rotate (sparing ``spare``). Call on one rank only."""
     directory.mkdir(parents=True, exist_ok=True)
     for stale in directory.glob(".*.tmp"):  # left by a writer that was killed
         stale.unlink(missing_ok=True)
     path = directory / snapshot_name(state["progress"]["global_step"])
     atomic_save(state, path)
-    rotate(directory, keep)
+    rotate(directory, keep, spare)
     return path
 
 
@@ -221,20 +224,21 @@ class BackgroundWrite:
 
 class SnapshotWriter(BackgroundWrite):
     """One background thread that commits snapshot files in order (and, for a run dir on a
-    store, uploads each and commits it there: ``remote``)."""
+    store, queues each for upload: ``uploads``, an uploads.Uploader)."""
 
-    def __init__(self, remote: RemoteDir | None = None) -> None:
+    def __init__(self, uploads: Any = None) -> None:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-snapshot")
-        self.remote = remote
+        self.uploads = uploads
 
     def submit(self, state: dict[str, Any], directory: Path, keep: int) -> None:
         self.wait()
         self.pending = self.pool.submit(self._write, state, directory, keep)
 
     def _write(self, state: dict[str, Any], directory: Path, keep: int) -> Path:
-        path = write_snapshot(state, directory, keep)
-        if self.remote is not None:
-            self.remote.push_snapshot(path, keep)
+        if self.uploads is None:
+            return write_snapshot(state, directory, keep)
+        path = write_snapshot(state, directory, keep, spare=self.uploads.pending_snapshots())
+        self.uploads.add_snapshot(path.name)
         return path
 
     def close(self, wait: bool = True) -> None:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from ..config import RunConfig
 from ..console import say
 from ..errors import ConfigError, StorageNotShared
 from ..storage import RemoteDir
+from ..uploads import mirror_is_ahead, sync_up
 from . import dcp as snapshot_dcp
 from . import files
 
@@ -58,6 +59,8 @@ def restore_point(cfg: RunConfig, ctx: DistContext, run_dir: Path, module: torch
     ``remote``: the run dir on a store, of which ``run_dir`` is this machine's mirror."""
     chosen: Snapshot | None = None
     choice: Any = None
+    if remote is not None and ctx.local_rank == 0 and mirror_is_ahead(run_dir):
+        _from_store(remote, run_dir, lambda: sync_pending(remote, run_dir, cfg.keep))
     if remote is not None and cfg.resume != "never":
         pull(remote, run_dir, ctx, marks)
     if ctx.is_main:
@@ -88,14 +91,41 @@ def pull(remote: RemoteDir, run_dir: Path, ctx: DistContext, marks: CollectiveMa
     first rank fetches them), rank 0 the run's files. A snapshot without its manifest (an upload
     cut short) is never loaded: rank 0 names it and removes it from the store."""
     if ctx.local_rank == 0:
-        cut = remote.pull_snapshots(files.snapshot_dir(run_dir), remove_cut=ctx.is_main)
+        cut = _from_store(remote, run_dir, lambda: remote.pull_snapshots(files.snapshot_dir(run_dir),
+                                                                          remove_cut=ctx.is_main))
         for name in cut if ctx.is_main else []:
             say(f"ddptrain: snapshot {remote.url_of('snapshots/' + name)} was never committed (no manifest: its "
                 "upload was cut short); removed it", sys.stderr)
     if ctx.is_main:
-        remote.pull_run_files(run_dir)
+        _from_store(remote, run_dir, lambda: remote.pull_run_files(run_dir))
     with marks.waiting("start-up: fetching the run's snapshots from its store"):
         dist.barrier()
+
+
+def sync_pending(remote: RemoteDir, run_dir: Path, keep: int) -> None:
+    """This machine's mirror holds uploads an earlier run could not make (uploads.py): they go
+    first, before anything is read from the store."""
+    sent = sync_up(remote, run_dir, keep)
+    if sent:
+        say(f"ddptrain: uploaded {sent} file(s) an earlier run on this machine could not ({remote.url} "
+            "did not answer then)", sys.stderr)
+
+
+T = TypeVar("T")
+
+
+def _from_store(remote: RemoteDir, run_dir: Path, read: Callable[[], T]) -> T:
+    """``read()``; a store that fails it is one line (ConfigError), not the client's traceback."""
+    try:
+        return read()
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001 - every client's own errors
+        text = " ".join(str(error).split())[:160]
+        ahead = (f"; this machine's mirror {run_dir} holds uploads it lacks, which go first"
+                 if mirror_is_ahead(run_dir) else "")
+        raise ConfigError(f"--run-dir {remote.url}: the store failed at start-up ({type(error).__name__}: {text})"
+                          f"{ahead}; run the same command again once it answers") from None
 
 
 def _choose(cfg: RunConfig, snapshots: Path, run_dir: Path,
@@ -114,7 +144,7 @@ def _choose(cfg: RunConfig, snapshots: Path, run_dir: Path,
     if found is None:
         moved: Path | str | None = move_aside(run_dir)
         if remote is not None:
-            moved = remote.move_aside(time.strftime("%Y%m%d-%H%M%S"))
+            moved = _from_store(remote, run_dir, lambda: remote.move_aside(time.strftime("%Y%m%d-%H%M%S")))
         if moved is not None:
             where = remote.url if remote is not None else run_dir
             say(f"ddptrain: a fresh start in {where}: moved the earlier run's files to {moved}")

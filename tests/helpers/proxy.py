@@ -1,0 +1,115 @@
+"""A TCP proxy on loopback in front of a server (the S3 server), which a test can cut and restore:
+an object store that goes away and comes back, while the server and its data stay.
+
+``cut()`` closes the listening socket and every connection through it (a client then gets
+"connection refused", as from a store that is down); ``hang()`` cuts the connections but
+accepts new ones and never answers them (a store that hangs); ``restore()`` listens again
+on the same port. It runs on threads of the test process; the clients are other processes (``ddptrain
+train``), started with Popen's default ``close_fds``, so none holds the listening socket.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+from helpers.servers import free_port
+
+
+class TcpProxy:
+    def __init__(self, target_port: int, host: str = "127.0.0.1") -> None:
+        self.host, self.target, self.port = host, target_port, free_port()
+        self.listener: socket.socket | None = None
+        self.connections: set[socket.socket] = set()
+        self.lock = threading.Lock()
+        self.hung: list[socket.socket] = []  # connections accepted while hanging, never answered
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> TcpProxy:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self.host, self.port))
+        listener.listen(64)
+        self.listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        return self
+
+    def restore(self) -> TcpProxy:
+        self.cut()
+        return self.start()
+
+    def hang(self) -> None:
+        self.cut()
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self.host, self.port))
+        listener.listen(64)
+        self.listener = listener
+        threading.Thread(target=self._swallow, args=(listener,), daemon=True).start()
+
+    def _swallow(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            self.hung.append(client)
+
+    def cut(self) -> None:
+        with self.lock:
+            listener, self.listener = self.listener, None
+            connections, self.connections = self.connections, set()
+        if listener is not None:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the thread in accept(): the port is free at once
+            except OSError:
+                pass
+            listener.close()
+        hung, self.hung = self.hung, []
+        for connection in [*connections, *hung]:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            connection.close()
+
+    close = cut
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:  # cut
+                return
+            try:
+                server = socket.create_connection((self.host, self.target))
+            except OSError:
+                client.close()
+                continue
+            with self.lock:
+                if self.listener is not listener:  # cut meanwhile
+                    client.close()
+                    server.close()
+                    return
+                self.connections |= {client, server}
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                try:
+                    end.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            with self.lock:
+                self.connections -= {source, sink}
+            source.close()  # the other direction's thread, woken by the shutdown, closes its own
