@@ -137,8 +137,8 @@ def report(args: argparse.Namespace) -> int:
 def sync_store(url: str) -> str:
     """``report URL --sync store``: this machine's mirror's uploads that never happened."""
     from .config import RunConfig
+    from .snapshots.uploads import sync_line, sync_up
     from .storage import RemoteDir, check_location, is_remote, local_dir
-    from .uploads import sync_line, sync_up
 
     if not is_remote(url):
         raise ConfigError(f"--sync store: {url} is a local folder; give the run dir on a store (s3://BUCKET/PREFIX) "
@@ -151,7 +151,7 @@ def sync_store(url: str) -> str:
     remote.check()
     config = json.loads((mirror / "config.json").read_text()) if (mirror / "config.json").is_file() else {}
     try:
-        sent = sync_up(remote, mirror, int(config.get("keep") or RunConfig.__dataclass_fields__["keep"].default))
+        sent = sync_up(remote, mirror, int(config.get("keep") or RunConfig().keep))
     except Exception as error:  # noqa: BLE001 - every client's own errors
         text = " ".join(str(error).split())[:160]
         raise ConfigError(f"--sync store: {url} failed ({type(error).__name__}: {text}); nothing in {mirror} was "

@@ -3,7 +3,7 @@
 A remote run dir has a local mirror on every machine, ``local_dir(url)`` (under
 ``DDPTRAIN_CACHE``, default ``~/.cache/ddptrain``): the rest of ddptrain works on that folder
 as on any run dir. What is this machine's alone stays there (the launcher's logs, pids, hang
-stacks, traces); what makes the run is uploaded behind the training (uploads.py: snapshots,
+stacks, traces); what makes the run is uploaded behind the training (snapshots/uploads.py: snapshots,
 metrics.jsonl, config.json, model.pt, the trackers' files; an outage costs the store, never
 the work) and downloaded when a run starts (``RemoteDir.pull_snapshots``), so the same command
 on any machine resumes where the run stopped.
@@ -29,6 +29,7 @@ MANIFEST = ".manifest"
 _SNAPSHOT = re.compile(r"^step-(\d{9})(\.pt)?$")
 # What makes a run (copied up as written, down at start); the rest of a run dir is the machine's.
 RUN_FILES = ("metrics.jsonl", "config.json", "trackers.json", "metrics.csv", "hf_model.json")
+LEDGER = ".not-uploaded.json"  # in a mirror, while it holds uploads the store lacks (snapshots/uploads.py)
 
 
 def snapshot_number(name: str) -> int:
@@ -118,7 +119,7 @@ class RemoteDir:
             import fsspec
 
             # An unreachable S3 endpoint fails a request in seconds, not botocore's minutes of
-            # retries: uploads.py retries with its own backoff while the training goes on.
+            # retries: snapshots/uploads.py retries with its own backoff while the training goes on.
             options = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 60,
                                          "retries": {"max_attempts": 2}}} if self.scheme == "s3" else {}
             try:

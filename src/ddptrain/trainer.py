@@ -45,9 +45,9 @@ from .resilience.stop_signals import StopSignal
 from .snapshots.checkpointer import Checkpointer, OneTable
 from .snapshots.files import HF_MODEL, atomic_save, snapshot_estimate, space_warning, write_hf_model
 from .snapshots.restore import restore_point, resumed_config
+from .snapshots.uploads import PREEMPTED_UPLOAD_WAIT_S, Uploader, upload_wait_s
 from .storage import local_dir, remote_of
 from .tasks.protocol import Task, check_pair, check_task, split_loss
-from .uploads import PREEMPTED_UPLOAD_WAIT_S, Uploader, upload_wait_s
 
 LOSS_DISPLAY_EVERY = 20  # steps between progress-bar loss reads (each read syncs the device)
 GRADIENT_SYNC = "the gradient all-reduce"
@@ -525,7 +525,7 @@ class Trainer:
 
     def _uploader(self) -> Uploader | None:
         """A run dir on a store: rank 0 uploads the run; under FSDP a rank on another machine
-        than rank 0's uploads its own shard files (uploads.py)."""
+        than rank 0's uploads its own shard files (snapshots/uploads.py)."""
         if self.remote is None:
             return None
         on_main_machine = self.ctx.rank < self.ctx.local_world_size

@@ -9,8 +9,8 @@ import torch
 
 from ddptrain.errors import StoreBehind
 from ddptrain.snapshots import files
-from ddptrain.storage import RemoteDir
-from ddptrain.uploads import LEDGER, Uploader, sync_up
+from ddptrain.snapshots.uploads import Uploader, sync_up
+from ddptrain.storage import LEDGER, RemoteDir
 from helpers.proxy import TcpProxy
 
 pytestmark = pytest.mark.slow

@@ -35,8 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..storage import RemoteDir
-from ..uploads import LEDGER
+from ..storage import LEDGER, RemoteDir
 
 HOLD_FILE = ".hold"
 HEARTBEAT_S = 10.0

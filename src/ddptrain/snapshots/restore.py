@@ -33,9 +33,9 @@ from ..config import RunConfig
 from ..console import say
 from ..errors import ConfigError, StorageNotShared
 from ..storage import RemoteDir
-from ..uploads import mirror_is_ahead, sync_up
 from . import dcp as snapshot_dcp
 from . import files
+from .uploads import mirror_is_ahead, sync_up
 
 LEFTOVERS = ("snapshots", "metrics.jsonl", "model.pt", "config.json", "curves.png", "tensorboard", "trackers.json",
              "metrics.csv", "wandb", "hf_model.json")

@@ -29,15 +29,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from .console import say
-from .errors import StoreBehind
-from .snapshots import files
-from .storage import RUN_FILES, RemoteDir, snapshot_number
+from ..console import say
+from ..errors import StoreBehind
+from ..storage import LEDGER, RUN_FILES, RemoteDir, snapshot_number
+from . import files
 
 UPLOAD_WAIT_S = 60.0  # default seconds a finished run waits for a store to take what it has not yet
 PREEMPTED_UPLOAD_WAIT_S = 10.0  # at most, after a stop signal (its grace period is short; the next start syncs)
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0)  # between attempts while the store does not answer
-LEDGER = ".not-uploaded.json"  # in the mirror, while it holds what the store lacks
 END_FILES = ("model.pt", files.HF_MODEL)  # written once, at the end
 
 
