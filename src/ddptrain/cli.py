@@ -79,6 +79,8 @@ def build_parser() -> OneLineParser:
     export.add_argument("--format", choices=("safetensors", "hf", "torch"), default="safetensors")
     export.add_argument("--snapshot", type=int, default=None, metavar="N",
                         help="the snapshot of global step N instead of model.pt (an FSDP run's DCP folder too)")
+    export.add_argument("--best", action="store_true",
+                        help="the best evaluation's weights (best/model.pt of a run trained with --keep-best)")
     export.add_argument("--out", required=True, help="the file (safetensors, torch) or folder (hf) to write")
     export.add_argument("--force", action="store_true", help="replace --out if it exists")
     commands.add_parser("bench", help="benchmark ddptrain against hand-written DDP loops and peers "
@@ -129,6 +131,10 @@ def report(args: argparse.Namespace) -> int:
         from .export import export_command_hint
 
         print(export_command_hint(args.run_dir))
+    if (run_dir / "best" / "model.pt").is_file():
+        from .export import export_command_hint
+
+        print(export_command_hint(args.run_dir, best=True))
     if args.sync and args.sync != "store":
         print(sync_tracker(run_dir, args.sync, summary))
     return 0
@@ -178,7 +184,9 @@ def export_command(args: argparse.Namespace) -> int:
     out = Path(args.out)
     check_out(out, args.force)  # before anything is fetched or read
     run_dir = readable_copy(args.run_dir, snapshots=args.snapshot is not None)
-    print(export(run_dir, args.format, out, args.snapshot, args.force, shown=args.run_dir))
+    if args.best and args.snapshot is not None:
+        raise ConfigError("export: give --best or --snapshot N, not both")
+    print(export(run_dir, args.format, out, args.snapshot, args.force, shown=args.run_dir, best=args.best))
     return 0
 
 

@@ -52,7 +52,8 @@ MATH_FIELDS = ("task", "seed", "lr", "optimizer", "momentum", "weight_decay", "l
 # so the same command (or the same command with more epochs) finds its run again.
 NOT_IDENTITY = ("run_dir", "resume", "max_epochs", "max_steps", "progress", "tensorboard", "tracker", "plot",
                 "log_ranks", "timeout", "max_restarts", "keep", "save_every", "save_seconds", "eval_every",
-                "eval_every_steps", "workers", "peak_tflops", "profile", "lean_cpu_memory")
+                "eval_every_steps", "workers", "peak_tflops", "profile", "lean_cpu_memory", "keep_best",
+                "early_stop", "early_stop_delta")
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,12 @@ class RunConfig:
     eval_every: int = _opt("evaluate every N epochs (and at the end) when the task has an "
                            "evaluation set; 0: only at the end", default=1)
     eval_every_steps: int = _opt("also evaluate every N optimizer steps (0: off)", default=0)
+    keep_best: str = _opt("keep RUN_DIR/best/model.pt, the weights of the best evaluation by METRIC[:min|max] "
+                          "(an eval_* figure, e.g. eval_loss; min for names ending in loss, else max)", default="")
+    early_stop: int = _opt("end the run after N evaluations in a row without an improvement of the --keep-best "
+                           "metric (0: off)", default=0)
+    early_stop_delta: float = _opt("the least change of the --keep-best metric that counts as an improvement "
+                                   "for --early-stop", default=0.0)
     log_ranks: bool = _opt("every rank prints the tutorial's per-epoch line", default=False)
     progress: bool | None = _opt("progress bar on rank 0 (default: when stderr is a terminal)",
                                  default=None)
@@ -239,6 +246,20 @@ def parse_nproc(value: str) -> int | None:
     return count
 
 
+def watched_metric(spec: str) -> tuple[str, str]:
+    """``--keep-best METRIC[:min|max]`` as (the record's key, ``min`` or ``max``): a name without
+    ``eval_`` gets it; min by default for names ending in ``loss``, else max."""
+    name, _, mode = spec.strip().partition(":")
+    name = name.strip()
+    if not name or not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
+        raise ConfigError(f"--keep-best {spec!r}: give METRIC[:min|max], an evaluation figure such as eval_loss")
+    key = name if name.startswith("eval_") else f"eval_{name}"
+    mode = mode.strip() or ("min" if key.endswith("loss") else "max")
+    if mode not in ("min", "max"):
+        raise ConfigError(f"--keep-best {spec!r}: {mode!r} is neither min nor max; write e.g. eval_accuracy:max")
+    return key, mode
+
+
 def validate(cfg: RunConfig) -> None:
     """Checks that need nothing but the config. Raises ConfigError with a one-line fix."""
     def finite(value: float | None) -> bool:
@@ -267,6 +288,11 @@ def validate(cfg: RunConfig) -> None:
         (cfg.keep >= 1, f"--keep must be at least 1, got {cfg.keep}"),
         (cfg.max_restarts >= 0, f"--max-restarts must be >= 0, got {cfg.max_restarts}"),
         (cfg.eval_every >= 0, f"--eval-every must be >= 0, got {cfg.eval_every}"),
+        (cfg.early_stop >= 0, f"--early-stop must be >= 0 (0: off), got {cfg.early_stop}"),
+        (not cfg.early_stop or bool(cfg.keep_best.strip()),
+         "--early-stop needs --keep-best METRIC: the figure whose improvement it waits for (e.g. eval_loss)"),
+        (math.isfinite(cfg.early_stop_delta) and cfg.early_stop_delta >= 0,
+         f"--early-stop-delta must be a finite number >= 0, got {cfg.early_stop_delta}"),
         (cfg.grad_accum >= 1, f"--grad-accum must be at least 1, got {cfg.grad_accum}"),
         (cfg.skip_nonfinite >= 0, f"--skip-nonfinite must be >= 0 (0: stop at the first), got {cfg.skip_nonfinite}"),
         (cfg.clip_grad is None or (math.isfinite(cfg.clip_grad) and cfg.clip_grad > 0),
@@ -278,6 +304,8 @@ def validate(cfg: RunConfig) -> None:
         if not ok:
             raise ConfigError(message)
     parse_nproc(cfg.nproc)
+    if cfg.keep_best.strip():
+        watched_metric(cfg.keep_best)
     _check_strategy_options(cfg)
     if cfg.tracker.strip() and any(not name.strip() for name in cfg.tracker.split(",")):
         raise ConfigError(f"--tracker {cfg.tracker!r}: an empty tracker name; give names separated by single "

@@ -26,10 +26,16 @@ from .errors import ConfigError
 FORMATS = ("safetensors", "hf", "torch")
 
 
-def run_weights(run_dir: Path, snapshot: int | None = None) -> dict[str, torch.Tensor]:
-    """The run's final weights, or those of its snapshot at global step ``snapshot``."""
+def run_weights(run_dir: Path, snapshot: int | None = None, best: bool = False) -> dict[str, torch.Tensor]:
+    """The run's final weights, those of its snapshot at global step ``snapshot``, or (``best``)
+    its best evaluation's (--keep-best)."""
     if not (run_dir / "config.json").is_file():
         raise ConfigError(f"{run_dir} holds no ddptrain run (no config.json); give the --run-dir of a run")
+    if best:
+        if not (run_dir / "best" / "model.pt").is_file():
+            raise ConfigError(f"{run_dir} has no best/model.pt: train with --keep-best METRIC (e.g. eval_loss) to "
+                              "keep the best evaluation's weights")
+        return torch.load(run_dir / "best" / "model.pt", map_location="cpu", weights_only=True)
     if snapshot is None:
         if not (run_dir / "model.pt").is_file():
             raise ConfigError(f"{run_dir} has no model.pt (the run has not finished); finish it, or export a "
@@ -69,11 +75,11 @@ def _dcp_model(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def export(run_dir: Path, fmt: str, out: Path, snapshot: int | None = None, force: bool = False,
-           shown: str | None = None) -> str:
+           shown: str | None = None, best: bool = False) -> str:
     """Write the run's weights as ``fmt`` to ``out`` (written aside, then moved in: an export cut
     short leaves no part); the line to print. ``shown``: the run dir as the user named it."""
     check_out(out, force)
-    weights = run_weights(run_dir, snapshot)
+    weights = run_weights(run_dir, snapshot, best)
     model = _pretrained_model(run_dir, weights) if fmt == "hf" else None
     aside = out.with_name(f".{out.name}.{os.getpid()}.export")
     try:
@@ -81,7 +87,8 @@ def export(run_dir: Path, fmt: str, out: Path, snapshot: int | None = None, forc
             from safetensors.torch import save_file
 
             save_file({k: v.detach().contiguous().clone() for k, v in weights.items()}, str(aside),
-                      metadata={"ddptrain_run": shown or str(run_dir), "step": str(snapshot or "final")})
+                      metadata={"ddptrain_run": shown or str(run_dir),
+                                "step": "best" if best else str(snapshot or "final")})
         elif fmt == "torch":
             torch.save({k: v.detach().clone() for k, v in weights.items()}, aside)
         else:
@@ -92,7 +99,7 @@ def export(run_dir: Path, fmt: str, out: Path, snapshot: int | None = None, forc
                           "you can write to") from None
     finally:
         shutil.rmtree(aside, ignore_errors=True) if aside.is_dir() else aside.unlink(missing_ok=True)
-    step = f"step {snapshot}" if snapshot else "model.pt"
+    step = "best/model.pt" if best else f"step {snapshot}" if snapshot else "model.pt"
     return f"ddptrain export: {shown or run_dir} ({step}) -> {out} ({fmt})"
 
 
@@ -178,6 +185,9 @@ def _from_task(run_dir: Path) -> Any:
     return model
 
 
-def export_command_hint(run_dir: str) -> str:
+def export_command_hint(run_dir: str, best: bool = False) -> str:
+    """The command that exports the run's model.pt (``best``: its best evaluation's weights)."""
     out = Path(run_dir).name if "://" in run_dir else str(Path(run_dir) / "model")
+    if best:
+        return f"export the best: ddptrain export {run_dir} --best --format safetensors --out {out}-best.safetensors"
     return f"export: ddptrain export {run_dir} --format safetensors --out {out}.safetensors"

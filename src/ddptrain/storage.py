@@ -271,7 +271,7 @@ class RemoteDir:
 
 def readable_copy(run_dir: str, snapshots: bool = False) -> Path:
     """A run dir to read (``ddptrain report``, ``export``): a local one as it is; a store's run
-    copied down (its run files and model.pt; its committed snapshots too with ``snapshots``) into
+    copied down (its run files, model.pt and best/; its committed snapshots too with ``snapshots``) into
     a folder beside its mirror, so a job training into that mirror here is never disturbed."""
     if not is_remote(run_dir):
         return Path(run_dir)
@@ -281,8 +281,9 @@ def readable_copy(run_dir: str, snapshots: bool = False) -> Path:
     copy = local_dir(run_dir).with_name(local_dir(run_dir).name + ".read")
     copy.mkdir(parents=True, exist_ok=True)
     remote.pull_run_files(copy)
-    if not remote.get("model.pt", copy / "model.pt"):
-        (copy / "model.pt").unlink(missing_ok=True)
+    for name in ("model.pt", "best/model.pt", "best/best.json"):
+        if not remote.get(name, copy / name):
+            (copy / name).unlink(missing_ok=True)
     if snapshots:
         remote.pull_snapshots(copy / "snapshots", remove_cut=False)
     return copy

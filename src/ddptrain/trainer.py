@@ -42,6 +42,7 @@ from .resilience.failures import STEP_NOTE
 from .resilience.guard import NonFiniteGuard, local_all_finite
 from .resilience.ray_train import RayReports
 from .resilience.stop_signals import StopSignal
+from .snapshots.best import BEST, best_model, write_best
 from .snapshots.checkpointer import Checkpointer, OneTable
 from .snapshots.files import HF_MODEL, atomic_save, snapshot_estimate, space_warning, write_hf_model
 from .snapshots.restore import restore_point, resumed_config
@@ -123,6 +124,8 @@ class Trainer:
         self.progress = Progress(steps_per_epoch=self.steps_per_epoch)
         self.losses = EpochLosses(self.device, self.steps_per_epoch or 64, carries=ctx.is_main)
         self.guard = NonFiniteGuard(cfg.skip_nonfinite)
+        self.best = best_model(cfg, task.eval_set is not None)  # --keep-best / --early-stop
+        self.evaluated_at = -1  # the global step of the newest evaluation (none twice at a step)
         self.scheduler = self._build_scheduler()
         self.ray = RayReports(str(self.cfg.run_dir), ctx.is_main)  # inside a Ray Train worker: reports to Ray
         self.checkpointer = Checkpointer(
@@ -130,7 +133,8 @@ class Trainer:
             weights=ModelAndOptimizer(self.strategy, self.module, self.optimizer),
             states={"scheduler": SchedulerState(self.scheduler), "scaler": ScalerState(self.scaler),
                     # one table in the snapshot format: where the run is, the epoch's loss so far, skips
-                    "progress": OneTable(self.progress, self.losses, self.guard)},
+                    "progress": OneTable(self.progress, self.losses, self.guard,
+                                         *([self.best] if self.best is not None else []))},
             per_rank={"data": self.batches} if isinstance(self.batches, StreamBatches) else {},
             start=self.start, group=self.cpu_group, remote=self.remote, uploads=self.uploads,
             on_committed=self.ray.committed if self.ray.active else None)
@@ -202,7 +206,7 @@ class Trainer:
                                f"{self.device.type}/{self.ctx.backend}, global batch {self.global_batch}, "
                                f"{self.steps_per_epoch or 'as many as the stream gives'} steps per epoch")
         if self.cfg.epochs == 0:  # the initial model's evaluation, before epoch 0
-            self.reporter.log({"kind": "eval", "epoch": 0, "step": self.progress.global_step, **self._evaluation()})
+            self._log_evaluation(0)
         while not self._done():
             try:
                 ended_by = self._run_epoch(self.progress.epoch)
@@ -213,6 +217,8 @@ class Trainer:
                 self._save(last=True)
                 self.checkpointer.commit()
                 return "preempted"
+        if self.best is not None and self.best.stopped:
+            self.reporter.info(f"ddptrain: {self.best.stop_line()}; best model: {self.run_dir / BEST / 'model.pt'}")
         self._finish()
         return "finished"
 
@@ -259,12 +265,12 @@ class Trainer:
             save = decision.snapshot or self.checkpointer.due_by_steps(self.progress.global_step)
             if stop:
                 break
+            if not ended and self._eval_every_steps_due():  # before this step's snapshot: it holds the verdict
+                self._log_evaluation(epoch)
+                ended = self._stopped_early()  # the run ends here; _finish takes the last snapshot
             if save and self._epoch_goes_on() and not ended:
                 self._save()
                 save = False
-            if not ended and self._eval_every_steps_due():
-                self.reporter.log({"kind": "eval", "epoch": epoch, "step": self.progress.global_step,
-                                   **self._evaluation()})
         self.reporter.epoch_finished()
         if exhausted and self.progress.step_in_epoch == 0:  # (a map-style set is never empty: checked)
             raise ConfigError(f"the training stream gave no sample in epoch {epoch}, on any rank; check its "
@@ -281,8 +287,11 @@ class Trainer:
         return self.cfg.max_steps is not None and self.progress.global_step >= self.cfg.max_steps
 
     def _done(self) -> bool:
-        """Whether the run has reached its end: ``--max-epochs`` or ``--max-steps``, the first."""
-        return self.progress.epoch >= self.cfg.epochs or self._steps_reached()
+        """Whether the run has reached its end: ``--max-epochs``, ``--max-steps`` or ``--early-stop``, the first."""
+        return self.progress.epoch >= self.cfg.epochs or self._steps_reached() or self._stopped_early()
+
+    def _stopped_early(self) -> bool:
+        return self.best is not None and self.best.stopped
 
     def _epoch_goes_on(self) -> bool:
         """Whether the epoch has steps left (a stream's: unknown until it ends, so yes)."""
@@ -445,8 +454,10 @@ class Trainer:
         if not self.first_step_reported and self.first_step_at is not None:
             record["first_step_at"] = self.first_step_at
             self.first_step_reported = True
-        if self._eval_due(epoch, final=partial or epoch + 1 >= self.cfg.epochs or self._steps_reached()):
+        final = partial or epoch + 1 >= self.cfg.epochs or self._steps_reached()
+        if self.evaluated_at != self.progress.global_step and self._eval_due(epoch, final):
             record.update(self._evaluation())
+            self._judge(record)
         self.reporter.log(record)
         if not partial:
             self.progress.epoch, self.progress.step_in_epoch, self.progress.epoch_samples = epoch + 1, 0, 0
@@ -487,9 +498,28 @@ class Trainer:
         every = self.cfg.eval_every
         return final or (every > 0 and (epoch + 1) % every == 0)
 
+    def _log_evaluation(self, epoch: int) -> None:
+        """An evaluation record of its own (at the start, or every --eval-every-steps), judged."""
+        record = {"kind": "eval", "epoch": epoch, "step": self.progress.global_step, **self._evaluation()}
+        self._judge(record)
+        self.reporter.log(record)
+
+    def _judge(self, record: dict[str, Any]) -> None:
+        """--keep-best: every rank judges the same figures; a new best's weights go to best/
+        (under fsdp every rank helps gather them)."""
+        if self.best is None or not self.best.judge(record):
+            return
+        weights = self.strategy.full_model_state(self.module)
+        if weights is not None:
+            written = write_best(weights, self.run_dir, self.best, self.progress.epoch)
+            if self.uploads is not None:
+                for name in written:
+                    self.uploads.add_file(name)
+
     def _evaluation(self) -> dict[str, Any]:
         if self.eval_batches is None:
             return {}
+        self.evaluated_at = self.progress.global_step
         self._share_buffers(self.progress.global_step)  # every rank evaluates what model.pt holds
         model = self.strategy.eval_model(self.module, self.model)
         result = evaluate(model, self.eval_batches, self.task, self.strategy.autocast(), self.ctx.rank,

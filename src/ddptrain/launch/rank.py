@@ -247,6 +247,11 @@ def finished_message(run_dir: str, cfg: RunConfig, epoch: int, step: int, model:
         limits.append(("--max-epochs", cfg.epochs, epoch, "epoch(s)"))
     if cfg.max_steps is not None and step >= cfg.max_steps:
         limits.append(("--max-steps", cfg.max_steps, step, "step(s)"))
+    if not limits:  # none reached: --early-stop ended it
+        kept = f"its model is {model}" if model else "it was stopped before model.pt"
+        return (f"{run_dir} holds a run that stopped early at step {step} (--early-stop {cfg.early_stop}); {kept}, "
+                f"its best evaluation's in {run_dir.rstrip('/')}/best/. To train it longer, pass a larger "
+                "--early-stop (or 0); to train afresh, pass --resume never or another --run-dir")
     what = " and ".join(f"{at} {unit}" for _, _, at, unit in limits)
     reached = " and ".join(f"{flag} {value:g}" for flag, value, _, _ in limits)
     advice = " and ".join(f"a larger {flag} (above {at})" for flag, _, at, _ in limits)

@@ -244,6 +244,10 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     evaluated = [r for r in records if any(k.startswith("eval_") for k in r)]
     if evaluated:
         summary.update({k: v for k, v in evaluated[-1].items() if k.startswith("eval_")})
+    best = Path(run_dir) / "best" / "best.json"  # --keep-best (snapshots/best.py)
+    if best.is_file():
+        kept = json.loads(best.read_text())
+        summary[f"best_{kept['metric']}"], summary["best_step"] = kept["value"], kept["step"]
     skipped = [step for r in epochs for step in r.get("skipped_steps", [])]
     if skipped:
         summary["skipped_steps"] = len(skipped)

@@ -38,7 +38,7 @@ from . import files
 from .uploads import mirror_is_ahead, sync_up
 
 LEFTOVERS = ("snapshots", "metrics.jsonl", "model.pt", "config.json", "curves.png", "tensorboard", "trackers.json",
-             "metrics.csv", "wandb", "hf_model.json")
+             "metrics.csv", "wandb", "hf_model.json", "best")
 
 
 @dataclass

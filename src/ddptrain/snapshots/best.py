@@ -1,0 +1,105 @@
+"""The best model so far (``--keep-best METRIC[:min|max]``) and early stopping (``--early-stop N``).
+
+Every evaluation is judged on every rank from the same figures (observe/metrics.evaluate sums
+every rank's rows in one all-reduce, in batch order), so every rank takes the same decision:
+which evaluation is the best, and whether the run stops. No rank ever waits for another's vote.
+
+- The best evaluation's weights are ``RUN_DIR/best/model.pt`` (a plain state_dict, as
+  model.pt), written whole and atomically, then ``best/best.json`` (the metric, its value, the
+  step and epoch). A run killed between the two writes replays that evaluation on resume (the
+  snapshot holds the decision state, and the replay is exact), which writes both again.
+- The decision state (the best value and step, evaluations since the last improvement) is part
+  of every snapshot's ``progress`` table: a resume continues the count.
+- An improvement for the best model is any strict one; for ``--early-stop`` it must beat the
+  value at the last improvement by more than ``--early-stop-delta``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from ..config import RunConfig, watched_metric
+from ..errors import ConfigError
+
+BEST = "best"  # the folder in the run dir
+
+
+class BestModel:
+    """Judges each evaluation record; its state is part of the snapshot's progress table."""
+
+    def __init__(self, spec: str, patience: int = 0, delta: float = 0.0) -> None:
+        self.metric, self.mode = watched_metric(spec)
+        self.patience, self.delta = patience, delta
+        self.value: float | None = None  # the best value so far
+        self.step = -1  # its global step
+        self.reference: float | None = None  # the value an --early-stop improvement must beat by delta
+        self.stale = 0  # evaluations since the last --early-stop improvement
+
+    @property
+    def stopped(self) -> bool:
+        """--early-stop's patience has run out."""
+        return self.patience > 0 and self.stale >= self.patience
+
+    def _better(self, value: float, than: float | None, by: float = 0.0) -> bool:
+        if than is None:
+            return True
+        return value < than - by if self.mode == "min" else value > than + by
+
+    def judge(self, record: dict[str, Any]) -> bool:
+        """Take one evaluation record into account; whether it is the best so far."""
+        if self.metric not in record:
+            figures = ", ".join(sorted(k for k in record if k.startswith("eval_") and k != "eval_samples"))
+            raise ConfigError(f"--keep-best {self.metric}: the evaluation has no such figure; it has {figures}")
+        value = float(record[self.metric])
+        if not math.isfinite(value):
+            improved = False
+        else:
+            improved = self._better(value, self.value)
+            if improved:
+                self.value, self.step = value, int(record["step"])
+        if math.isfinite(value) and self._better(value, self.reference, self.delta):
+            self.reference, self.stale = value, 0
+        else:
+            self.stale += 1
+        return improved
+
+    def stop_line(self) -> str:
+        return (f"stopped early at {self.metric} {self.value:.6g} (step {self.step}): {self.stale} evaluation(s) "
+                f"in a row without an improvement of more than {self.delta:g} (--early-stop {self.patience})")
+
+    # --- in the snapshot's progress table ----------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"best_value": self.value, "best_step": self.step, "best_reference": self.reference,
+                "evals_without_improvement": self.stale}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value, self.step = state.get("best_value"), int(state.get("best_step", -1))
+        self.reference, self.stale = state.get("best_reference"), int(state.get("evals_without_improvement", 0))
+
+
+def best_model(cfg: RunConfig, has_eval_set: bool) -> BestModel | None:
+    """The run's BestModel, or None without ``--keep-best``."""
+    if not cfg.keep_best.strip():
+        return None
+    if not has_eval_set:
+        raise ConfigError(f"--keep-best {cfg.keep_best} needs an evaluation set, and the task {cfg.task} has none "
+                          "(Task.eval_set)")
+    return BestModel(cfg.keep_best, cfg.early_stop, cfg.early_stop_delta)
+
+
+def write_best(weights: dict[str, Any], run_dir: Path, best: BestModel, epoch: int) -> list[str]:
+    """``best/model.pt``, then ``best/best.json`` (rank 0); the run dir's names written."""
+    from .files import atomic_save
+
+    folder = Path(run_dir) / BEST
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_save(weights, folder / "model.pt")
+    record = {"metric": best.metric, "mode": best.mode, "value": best.value, "step": best.step, "epoch": epoch}
+    tmp = folder / f".best.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, folder / "best.json")
+    return [f"{BEST}/model.pt", f"{BEST}/best.json"]
