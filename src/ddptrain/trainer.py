@@ -26,6 +26,7 @@ from .data import EvalBatches, MicroBatch, StepSampler, StreamBatches, TrainBatc
 from .errors import ConfigError
 from .observe.metrics import (
     EpochLosses,
+    GradNorms,
     RankTimings,
     evaluate,
     memory_record,
@@ -123,6 +124,8 @@ class Trainer:
         self.steps_per_epoch = self.batches.steps_per_epoch  # None: a stream's epoch ends when it does
         self.progress = Progress(steps_per_epoch=self.steps_per_epoch)
         self.losses = EpochLosses(self.device, self.steps_per_epoch or 64, carries=ctx.is_main)
+        self.grad_norms = GradNorms(self.device, self.steps_per_epoch or 64, carries=ctx.is_main,
+                                    counts=ctx.is_main or self.strategy.shards_gradients)
         self.guard = NonFiniteGuard(cfg.skip_nonfinite)
         self.best = best_model(cfg, task.eval_set is not None)  # --keep-best / --early-stop
         self.evaluated_at = -1  # the global step of the newest evaluation (none twice at a step)
@@ -133,7 +136,7 @@ class Trainer:
             weights=ModelAndOptimizer(self.strategy, self.module, self.optimizer),
             states={"scheduler": SchedulerState(self.scheduler), "scaler": ScalerState(self.scaler),
                     # one table in the snapshot format: where the run is, the epoch's loss so far, skips
-                    "progress": OneTable(self.progress, self.losses, self.guard,
+                    "progress": OneTable(self.progress, self.losses, self.grad_norms, self.guard,
                                          *([self.best] if self.best is not None else []))},
             per_rank={"data": self.batches} if isinstance(self.batches, StreamBatches) else {},
             start=self.start, group=self.cpu_group, remote=self.remote, uploads=self.uploads,
@@ -326,14 +329,18 @@ class Trainer:
             self._scale_gradients(planned / step_samples)
             total = total * (planned / step_samples)
         total = total / self.ctx.world_size if count is None else self._divide_by_count(total, count)
-        if self.guard.skipping and not self.guard.step_is_finite(total, self._gradients()):
+        if self.scaler.is_enabled():  # fp16: the norm, the guard and clipping see the true gradients
+            self.scaler.unscale_(self.optimizer)
+        gradients = self._gradients()
+        self.grad_norms.add(gradients)
+        # fp16's gradients overflow by design (the grad scaler skips those steps): the guard sees the loss
+        if self.guard.skipping and not self.guard.step_is_finite(total, [] if self.scaler.is_enabled() else gradients):
             self._step_scheduler()  # the schedule counts steps, taken or skipped
             return None, step_samples
         if self.first_step_unchecked:  # DDP names the parameters that got no gradient
             self.strategy.check_gradients(self.module)
             self.first_step_unchecked = False
         if self.cfg.clip_grad:
-            self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -418,8 +425,6 @@ class Trainer:
         return loss, count
 
     def _gradients(self) -> list[torch.Tensor]:
-        if self.scaler.is_enabled():
-            return []  # scaled fp16 gradients overflow by design: the grad scaler skips those steps
         return [p.grad for p in self.model.parameters() if p.grad is not None]
 
     def _step_scheduler(self) -> None:
@@ -438,7 +443,7 @@ class Trainer:
         record: dict[str, Any] = {
             "kind": "epoch", "epoch": epoch, "step": self.progress.global_step,
             "train_loss": float(reduced["loss_total"]) / loss_steps if loss_steps else float("nan"),
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": self.optimizer.param_groups[0]["lr"], **self.grad_norms.figures(reduced["grad_squares"]),
             "samples_per_s": round(samples / seconds, 1) if seconds > 0 else None,
             "epoch_time_s": round(seconds, 3), "samples": self._epoch_samples(partial), "time": round(time.time(), 3),
             **throughput_record(samples, seconds, steps, job_flops, self.task.tokens_per_sample, self.peak_tflops,
@@ -462,6 +467,7 @@ class Trainer:
         if not partial:
             self.progress.epoch, self.progress.step_in_epoch, self.progress.epoch_samples = epoch + 1, 0, 0
             self.losses.reset(first_step=self.progress.global_step)
+            self.grad_norms.reset()
 
     def _epoch_samples(self, partial: bool) -> int:
         """A whole epoch of a map-style set trains every sample once (so snapshots of 0.3, which
@@ -486,7 +492,7 @@ class Trainer:
             # the ranks' parts add up to a step's loss: rank 0 alone counts the steps
             "loss_steps": torch.tensor(self.losses.local_steps() if self.ctx.is_main else 0),
             "bad_weights": ~local_all_finite(self.params),  # ranks whose weights are not finite
-            "first_bad_step": first_bad_step, "figures": figures,
+            "first_bad_step": first_bad_step, "figures": figures, "grad_squares": self.grad_norms.local_squares(),
         }, self.watchdog, "summing the loss over the ranks", self.progress.global_step)
         self.guard.check([int(s) for s in reduced["first_bad_step"].tolist()], int(reduced["bad_weights"]) == 0,
                          self.progress.global_step, self.progress.epoch, self.checkpointer.newest_path())
@@ -534,6 +540,7 @@ class Trainer:
             return
         reduced = self._reduce()
         self.losses.note_reduced(float(reduced["loss_total"]), int(reduced["loss_steps"]))
+        self.grad_norms.figures(reduced["grad_squares"])  # (kept for the snapshot)
         self._share_buffers(self.progress.global_step)
         self.checkpointer.save(self.progress.global_step, last=last)
 

@@ -38,6 +38,10 @@ def test_fsdp_trains_like_ddp_and_model_pt_loads_into_the_plain_model(runs):
     ddp, fsdp = load_model(runs / "ddp"), load_model(runs / "fsdp")
     for key in ddp:
         torch.testing.assert_close(fsdp[key], ddp[key], rtol=1e-4, atol=1e-6)
+    # the gradient norm before clipping: over every shard under fsdp, rank 0's whole gradients under ddp
+    norms = {s: [(r["grad_norm"], r["grad_norm_max"]) for r in read_metrics(runs / s)] for s in ("ddp", "fsdp")}
+    assert len(norms["ddp"]) == 2 and all(0 < mean <= largest for mean, largest in norms["ddp"]), norms
+    torch.testing.assert_close(torch.tensor(norms["fsdp"]), torch.tensor(norms["ddp"]), rtol=1e-4, atol=0)
     digits_task(RunConfig(task="digits")).model.load_state_dict(fsdp)  # whole tensors, plain names
     assert [p.name for p in files.list_snapshots(runs / "fsdp" / "snapshots")] == ["step-000000040", "step-000000046"]
     accuracy = {strategy: read_metrics(runs / strategy)[-1]["eval_accuracy"] for strategy in ("ddp", "fsdp")}
@@ -50,6 +54,9 @@ def test_sigkill_during_an_fsdp_run_resumes_bitwise(runs, tmp_path):
     fit(TASKS + "kill_digits", tmp_path / "run", env=env, strategy="fsdp", max_restarts=1, **ARGS)
     assert (tmp_path / "killed").exists()
     assert_same_weights(load_model(tmp_path / "run"), load_model(runs / "fsdp"), exact=True)
+    def norms(run_dir):
+        return [(r["grad_norm"], r["grad_norm_max"]) for r in read_metrics(run_dir)]
+    assert norms(tmp_path / "run") == norms(runs / "fsdp")  # exactly: the epoch's norms span the resume
 
 
 @pytest.mark.slow
@@ -128,3 +135,4 @@ def test_clipping_under_fsdp_uses_the_norm_over_every_shard(runs, tmp_path):
     clipped = load_model(tmp_path / "fsdp")
     assert_same_weights(clipped, load_model(tmp_path / "ddp"))
     assert not torch.equal(clipped["0.weight"], load_model(runs / "fsdp")["0.weight"])  # clipping acted
+    assert all(r["grad_norm_max"] > 0.5 for r in read_metrics(tmp_path / "fsdp"))  # the norm before clipping

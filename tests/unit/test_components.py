@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from ddptrain.observe.metrics import EpochLosses
@@ -16,12 +17,10 @@ def test_progress_round_trips_through_its_state():
     restored.load_state_dict(saved)
     assert restored == Progress(3, 7, 52)
 
-
 def test_a_snapshot_at_an_epochs_last_step_resumes_at_its_end():
     progress = Progress(steps_per_epoch=5)  # a 0.2 snapshot may have stopped past the epoch's steps
     progress.load_state_dict({"epoch": 1, "step_in_epoch": 9, "global_step": 14})
     assert (progress.epoch, progress.step_in_epoch) == (1, 5)
-
 
 def test_one_table_holds_several_components_states():
     guard = NonFiniteGuard(skip_limit=3)
@@ -33,7 +32,6 @@ def test_one_table_holds_several_components_states():
     OneTable(progress, restored).load_state_dict(table.state_dict())
     assert progress == Progress(2, 3, 23) and restored.skipped == [4]
 
-
 def test_the_guard_keeps_its_skipped_steps_across_a_resume():
     guard = NonFiniteGuard(skip_limit=3)
     guard.skip(4)
@@ -43,7 +41,6 @@ def test_the_guard_keeps_its_skipped_steps_across_a_resume():
     assert restored.skipped == [4, 13] and restored.skipped_after(10) == [13]  # epoch 1's, 10 steps each
     restored.load_state_dict({})  # a snapshot without skips
     assert restored.skipped == []
-
 
 def test_the_epochs_loss_so_far_is_carried_by_one_rank_only():
     losses = EpochLosses(torch.device("cpu"), capacity=8)
@@ -63,7 +60,6 @@ def test_the_epochs_loss_so_far_is_carried_by_one_rank_only():
     main.add(torch.tensor(math.nan))
     assert float(main.first_nonfinite_step()) == 22  # the second loss after step 20
 
-
 def test_a_resume_keeps_the_records_before_its_snapshot_and_logs_its_epochs_end_again():
     from ddptrain.observe.report import kept_on_resume
 
@@ -74,3 +70,27 @@ def test_a_resume_keeps_the_records_before_its_snapshot_and_logs_its_epochs_end_
     # the snapshot at epoch 1's end, after its record: epoch 2 starts
     assert [kept_on_resume(r, 45, 2) for r in records] == [True, True, True, False]
     assert [kept_on_resume(r, 40, 1) for r in records] == [True, False, False, False]  # inside epoch 1
+
+def test_grad_norms_are_the_mean_and_largest_over_the_epoch_and_a_resume_adds_up_the_same():
+    from ddptrain.observe.metrics import GradNorms
+
+    steps = [[torch.tensor([3.0, 4.0])], [torch.tensor([0.0, 1.0]), torch.tensor([[2.0, 2.0]])],
+             [torch.tensor([float("inf")])], [torch.tensor([6.0, 8.0])]]  # norms 5, 3, inf (skipped), 10
+    whole = GradNorms(torch.device("cpu"), capacity=2, counts=True)  # (the slots grow)
+    for grads in steps:
+        whole.add(grads)
+    figures = whole.figures(whole.local_squares())
+    assert figures == {"grad_norm": pytest.approx(6.0), "grad_norm_max": 10.0}  # (float32 norms)
+
+    first = GradNorms(torch.device("cpu"), capacity=4, counts=True)
+    for grads in steps[:2]:
+        first.add(grads)
+    first.figures(first.local_squares())  # reduced before a snapshot
+    resumed = GradNorms(torch.device("cpu"), capacity=4, counts=True)
+    resumed.load_state_dict(first.state_dict())
+    for grads in steps[2:]:
+        resumed.add(grads)
+    assert resumed.figures(resumed.local_squares()) == figures  # exactly
+    silent = GradNorms(torch.device("cpu"), capacity=4, counts=False)  # ddp's other ranks: the same length, zeros
+    silent.add(steps[0])
+    assert silent.local_squares().tolist() == [0.0]

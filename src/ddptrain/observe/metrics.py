@@ -81,6 +81,58 @@ class EpochLosses:
         return torch.where(bad.any(), index + self.first_step + 1, 0.0)
 
 
+class GradNorms:
+    """Each step's gradient norm before clipping, kept on the device (no host sync per step):
+    this rank's sum of squares of its gradients (its shards under fsdp; under ddp rank 0's
+    alone, as every rank holds the same gradients), summed over the ranks with the epoch's
+    other figures (Trainer._reduce), then the square root: the epoch's mean and largest norm."""
+
+    def __init__(self, device: torch.device, capacity: int, counts: bool, carries: bool = True) -> None:
+        """``counts``: this rank's squares count (fsdp: every rank; ddp: rank 0); ``carries``: this
+        rank holds a resumed epoch's figures so far (rank 0, which writes the record)."""
+        self.device, self.capacity, self.counts, self.carries = device, max(1, capacity), counts, carries
+        self.reset()
+
+    def reset(self, carried: tuple[float, int, float] = (0.0, 0, 0.0)) -> None:
+        self.slots = torch.zeros(self.capacity, dtype=torch.float64, device=self.device)
+        self.count, self.carried, self.reduced = 0, carried, carried
+
+    @torch.no_grad()
+    def add(self, grads: list[torch.Tensor]) -> None:
+        if self.count == len(self.slots):  # a stream's epoch, longer than guessed
+            self.slots = torch.cat([self.slots, torch.zeros_like(self.slots)])
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        if self.counts and local:
+            norms = torch._foreach_norm(local)  # one kernel per dtype/device group, as clip_grad_norm_ does
+            self.slots[self.count] = torch.stack([n.double() for n in norms]).square().sum()
+        self.count += 1
+
+    def local_squares(self) -> torch.Tensor:
+        """This rank's squares, one per step since the epoch began (the same length on every rank)."""
+        return self.slots[:self.count]
+
+    def figures(self, squares: torch.Tensor) -> dict[str, float]:
+        """``squares`` summed over the ranks: ``grad_norm`` (mean) and ``grad_norm_max`` over the
+        epoch's steps whose norm is finite (a skipped step's is not), a resumed epoch's earlier
+        steps included; also kept for the next snapshot."""
+        norms = squares.sqrt()
+        total, steps, largest = self.carried
+        for norm in norms[torch.isfinite(norms)].tolist():  # one by one: a resumed epoch adds up the same
+            total, steps, largest = total + norm, steps + 1, max(largest, norm)
+        self.reduced = (total, steps, largest)
+        return {"grad_norm": total / steps, "grad_norm_max": largest} if steps else {}
+
+    # In a snapshot: the epoch's figures so far over every rank (reduced just before saving).
+    def state_dict(self) -> dict[str, Any]:
+        total, steps, largest = self.reduced
+        return {"epoch_grad_norm_total": total, "epoch_grad_norm_steps": steps, "epoch_grad_norm_max": largest}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = (state.get("epoch_grad_norm_total", 0.0), state.get("epoch_grad_norm_steps", 0),
+                 state.get("epoch_grad_norm_max", 0.0))
+        self.reset(carried=saved if self.carries else (0.0, 0, 0.0))
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: EvalBatches, task: Task, autocast: Any = None,
              rank: int = 0, world_size: int = 1, watchdog: CollectiveMarks = NO_MARKS,

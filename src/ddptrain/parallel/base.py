@@ -98,6 +98,7 @@ class Strategy:
     """The base: a replicated model whose state every rank holds whole."""
 
     snapshot_format = "file"  # one file by rank 0; "dcp": a folder every rank writes its shards to
+    shards_gradients = False  # each rank holds a part of every gradient (fsdp), not the whole (ddp)
 
     def __init__(self, cfg: RunConfig, ctx: DistContext) -> None:
         self.cfg, self.ctx = cfg, ctx

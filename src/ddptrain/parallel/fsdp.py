@@ -32,6 +32,7 @@ from .precision import autocast_dtype
 
 class FSDPStrategy(Strategy):
     snapshot_format = "dcp"
+    shards_gradients = True
 
     def __init__(self, cfg: RunConfig, ctx: DistContext) -> None:
         super().__init__(cfg, ctx)
