@@ -235,7 +235,8 @@ class Uploader:
     # --- the end -----------------------------------------------------------------------------
     def close(self, wait_s: float | None = None, at_end: bool = True) -> None:
         """Give the queue ``wait_s`` seconds (default: ``upload_wait_s()``) to empty; what is left
-        is named in the ledger, and, ``at_end`` on the speaking rank, in StoreBehind (one line)."""
+        is named in the ledger and, on the speaking rank, in StoreBehind (one line) ``at_end``,
+        else in a warning (after a stop signal; none after a failure, whose wait is 0)."""
         wait_s = upload_wait_s() if wait_s is None else wait_s
         deadline, said = time.monotonic() + wait_s, False
         with self.cond:
@@ -255,6 +256,9 @@ class Uploader:
         write_ledger(self.mirror, self.remote.url, left)
         if self.speaks and at_end:
             raise StoreBehind(behind_message(self.remote.url, self.mirror, left, self.problem, wait_s))
+        if self.speaks and wait_s > 0:  # a stop signal's short wait (a failure's, 0, leaves the report alone)
+            say(f"ddptrain: warning: {len(left)} upload(s) to {self.remote.url} not made before the stop; they are "
+                f"safe in {self.mirror}, and the next start uploads them first", sys.stderr)
 
 
 def write_ledger(mirror: Path, url: str, names: list[str]) -> None:
