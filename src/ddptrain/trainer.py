@@ -128,7 +128,8 @@ class Trainer:
                                     counts=ctx.is_main or self.strategy.shards_gradients)
         self.guard = NonFiniteGuard(cfg.skip_nonfinite)
         self.best = best_model(cfg, task.eval_set is not None)  # --keep-best / --early-stop
-        self.evaluated_at = -1  # the global step of the newest evaluation (none twice at a step)
+        self.evaluated_at = -1  # the newest evaluation's global step, and its figures:
+        self.last_evaluation: dict[str, Any] = {}
         self.scheduler = self._build_scheduler()
         self.ray = RayReports(str(self.cfg.run_dir), ctx.is_main)  # inside a Ray Train worker: reports to Ray
         self.checkpointer = Checkpointer(
@@ -459,10 +460,12 @@ class Trainer:
         if not self.first_step_reported and self.first_step_at is not None:
             record["first_step_at"] = self.first_step_at
             self.first_step_reported = True
-        final = partial or epoch + 1 >= self.cfg.epochs or self._steps_reached()
-        if self.evaluated_at != self.progress.global_step and self._eval_due(epoch, final):
-            record.update(self._evaluation())
-            self._judge(record)
+        if self._eval_due(epoch, final=partial or epoch + 1 >= self.cfg.epochs or self._steps_reached()):
+            if self.evaluated_at == self.progress.global_step:  # this step's evaluation ran (and was judged)
+                record.update(self.last_evaluation)
+            else:
+                record.update(self._evaluation())
+                self._judge(record)
         self.reporter.log(record)
         if not partial:
             self.progress.epoch, self.progress.step_in_epoch, self.progress.epoch_samples = epoch + 1, 0, 0
@@ -530,7 +533,8 @@ class Trainer:
         model = self.strategy.eval_model(self.module, self.model)
         result = evaluate(model, self.eval_batches, self.task, self.strategy.autocast(), self.ctx.rank,
                           self.ctx.world_size, self.watchdog, forward_syncs=self.strategy.forward_syncs)
-        return {f"eval_{k}": v for k, v in result.items()}
+        self.last_evaluation = {f"eval_{k}": v for k, v in result.items()}
+        return dict(self.last_evaluation)
 
     def _save(self, last: bool = False) -> None:
         """A snapshot after the current step, if the checkpointer wants one (every rank calls

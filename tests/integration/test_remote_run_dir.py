@@ -229,6 +229,11 @@ def test_a_store_still_down_at_the_end_is_one_line_and_a_later_sync_uploads_ever
     assert_same_weights(load_model(mirror), load_model(local_runs / "ddp"), exact=True)  # safe in the mirror
     assert "step-000000096.pt" in [p.name for p in (mirror / "snapshots").iterdir()]
     assert not s3_server.filesystem().exists("down/run/model.pt")
+    still_down = ddptrain_cli(*OUTAGE_TRAIN, "--run-dir", url, env=env)  # a start that cannot read: one line
+    assert still_down.returncode == 2, still_down.stderr
+    assert still_down.stderr.startswith(f"ddptrain: error: --run-dir {url}: cannot reach it ("), still_down.stderr
+    assert len(still_down.stderr.strip().splitlines()) == 1
+    assert (mirror / ".not-uploaded.json").is_file() and (mirror / "model.pt").is_file()  # nothing removed
 
     proxy.restore()
     again = ddptrain_cli(*OUTAGE_TRAIN, "--run-dir", url, env=env)  # the same command: the mirror's uploads first
