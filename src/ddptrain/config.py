@@ -140,6 +140,10 @@ class RunConfig:
     eval_every: int = _opt("evaluate every N epochs (and at the end) when the task has an "
                            "evaluation set; 0: only at the end", default=1)
     eval_every_steps: int = _opt("also evaluate every N optimizer steps (0: off)", default=0)
+    init_from: str = _opt("a fresh run's first weights: a model.pt or .safetensors file, a snapshot, another run "
+                          "dir, or a Hugging Face folder (weights only; a resumed run ignores it)", default="")
+    init_from_partial: bool = _opt("--init-from loads the tensors that match this model and names the rest "
+                                   "(default: any difference is an error)", default=False)
     keep_best: str = _opt("keep RUN_DIR/best/model.pt, the weights of the best evaluation by METRIC[:min|max] "
                           "(an eval_* figure, e.g. eval_loss; min for names ending in loss, else max)", default="")
     early_stop: int = _opt("end the run after N evaluations in a row without an improvement of the --keep-best "

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,9 @@ def run_weights(run_dir: Path, snapshot: int | None = None, best: bool = False) 
     path = files.snapshot_dir(run_dir) / files.snapshot_name(snapshot, folder=False)
     folder = files.snapshot_dir(run_dir) / files.snapshot_name(snapshot, folder=True)
     if folder.is_dir():
-        return _dcp_model(folder)
+        from .snapshots.dcp import whole_model  # (torch.distributed.checkpoint: only when needed)
+
+        return whole_model(folder)
     if path.is_file():
         return files.load_snapshot(path)["model"]
     raise ConfigError(f"{run_dir} has no snapshot of step {snapshot}; its snapshots are of steps: "
@@ -57,21 +58,6 @@ def _steps(run_dir: Path) -> list[int]:
     from .snapshots import files
 
     return [files.snapshot_step(p) for p in files.list_snapshots(files.snapshot_dir(run_dir))]
-
-
-def _dcp_model(folder: Path) -> dict[str, torch.Tensor]:
-    """The ``model`` part of a DCP folder, as whole CPU tensors (shapes from its metadata)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
-    model = {key.removeprefix("model."): torch.empty(tuple(value.size), dtype=value.properties.dtype)
-             for key, value in metadata.items()
-             if key.startswith("model.") and isinstance(value, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": as meant, one process
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": model}, checkpoint_id=folder, no_dist=True)
-    return model
 
 
 def export(run_dir: Path, fmt: str, out: Path, snapshot: int | None = None, force: bool = False,

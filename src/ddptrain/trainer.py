@@ -46,6 +46,7 @@ from .resilience.stop_signals import StopSignal
 from .snapshots.best import BEST, best_model, write_best
 from .snapshots.checkpointer import Checkpointer, OneTable
 from .snapshots.files import HF_MODEL, atomic_save, snapshot_estimate, space_warning, write_hf_model
+from .snapshots.init_from import load_into, read_weights
 from .snapshots.restore import restore_point, resumed_config
 from .snapshots.uploads import PREEMPTED_UPLOAD_WAIT_S, Uploader, upload_wait_s
 from .storage import local_dir, remote_of
@@ -116,6 +117,9 @@ class Trainer:
         self.start = restore_point(self.cfg, ctx, self.run_dir, self.module, self.optimizer, self.strategy,
                                    self.watchdog, self.remote)  # chosen by rank 0, checked by all
         self.cfg = resumed_config(self.start, self.cfg, ctx.world_size, self.reporter.info)
+        if self.start is None and self.cfg.init_from:  # weights only, before step 0 (every rank reads them)
+            self.reporter.info(load_into(self.module, read_weights(self.cfg.init_from), self.cfg.init_from,
+                                         self.cfg.init_from_partial))
         cfg = self.cfg
         self.batches = self._training_batches()
         self.eval_batches = None if task.eval_set is None else EvalBatches(

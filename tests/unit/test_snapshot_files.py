@@ -121,3 +121,21 @@ def test_a_write_that_finds_the_disk_full_is_one_line_naming_the_intact_snapshot
     error = files.disk_full(snapshots / files.snapshot_name(15), 3 << 20)
     assert str(error).startswith(f"no space left in {tmp_path} writing step-000000015.pt (")
     assert "it takes about 3.0 MB); the newest complete snapshot, step-000000010.pt, is intact" in str(error)
+
+
+def test_init_from_counts_a_tied_weight_as_present_when_its_twin_is():
+    """A Hugging Face folder leaves a tied head out (save_pretrained): strict loading takes it."""
+    import torch
+
+    from ddptrain.snapshots.init_from import load_into
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(5, 3)
+            self.head = torch.nn.Linear(3, 5, bias=False)
+            self.head.weight = self.embed.weight
+
+    model, source = Tied(), torch.arange(15.0).reshape(5, 3)
+    assert load_into(model, {"embed.weight": source}, "hf", partial=False) == "initialised from hf: 1 tensor(s)"
+    assert torch.equal(model.head.weight, source)

@@ -109,6 +109,21 @@ def load_shards(folder: Path, templates: dict[str, Any]) -> dict[str, Any]:
     return templates
 
 
+def whole_model(folder: Path) -> dict[str, torch.Tensor]:
+    """The ``model`` part of a DCP folder, as whole CPU tensors (shapes from its metadata), read
+    in this process alone (no process group)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    model = {key.removeprefix("model."): torch.empty(tuple(value.size), dtype=value.properties.dtype)
+             for key, value in metadata.items()
+             if key.startswith("model.") and isinstance(value, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": as meant, one process
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": model}, checkpoint_id=folder, no_dist=True)
+    return model
+
+
 def saved_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     """The model's parameter names and whole shapes in a DCP folder, from its metadata."""
     metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata

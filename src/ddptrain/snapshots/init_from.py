@@ -1,0 +1,102 @@
+"""``--init-from PATH``: a fresh run's first weights from elsewhere (weights only: the optimizer,
+the schedule and the data start afresh; a resumed run takes its snapshot's weights instead).
+
+PATH is a state_dict file (``model.pt``, ``.pt``/``.pth``/``.bin``, ``.safetensors``), a
+ddptrain snapshot (``step-N.pt``, or a DCP folder ``step-N/``), another run dir (its model.pt),
+or a Hugging Face folder (``model.safetensors`` or ``pytorch_model.bin``, sharded ones through
+their index; local: nothing is downloaded). Every rank reads it (torch files memory-mapped) and
+takes it with torch's ``set_model_state_dict`` (full state dicts: under fsdp each rank keeps
+its own shard of each tensor), so every rank starts from the same weights. Strict by default:
+a missing or unexpected tensor, or another shape, is one line; ``--init-from-partial`` loads
+what matches and names the rest. Tied weights (a language model's head and embedding) count
+as present when their twin is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from ..errors import ConfigError
+from . import dcp as snapshot_dcp
+
+HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+
+
+def read_weights(path: str) -> dict[str, torch.Tensor]:
+    """The state_dict at ``path`` (see the module's text), CPU tensors."""
+    where = Path(path)
+    if not where.exists():
+        raise ConfigError(f"--init-from {path}: no such file or folder")
+    if where.is_dir():
+        return _folder(where, path)
+    return _file(where, path)
+
+
+def _folder(folder: Path, shown: str) -> dict[str, torch.Tensor]:
+    if (folder / ".metadata").is_file() and (folder / snapshot_dcp.META).is_file():  # a DCP snapshot
+        return snapshot_dcp.whole_model(folder)
+    if (folder / "model.pt").is_file():  # a run dir
+        return _file(folder / "model.pt", shown)
+    for name in HF_WEIGHTS:
+        if (folder / name).is_file():
+            return _file(folder / name, shown)
+        index = folder / f"{name}.index.json"
+        if index.is_file():  # sharded: every file the index names
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return {key: value for shard in shards for key, value in _file(folder / shard, shown).items()}
+    raise ConfigError(f"--init-from {shown}: this folder holds no weights ddptrain reads (model.pt of a run dir, "
+                      f"{' or '.join(HF_WEIGHTS)} of a Hugging Face folder, or a DCP snapshot)")
+
+
+def _file(file: Path, shown: str) -> dict[str, torch.Tensor]:
+    state: Any
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(file))
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # not a zip or safetensors file, truncated, or a pickle weights_only refuses
+        first = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"--init-from {shown}: {file.name} cannot be read ({first})") from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict) and "format_version" in state:
+        state = state["model"]  # a ddptrain snapshot file
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(f"--init-from {shown}: {file.name} holds no state_dict (a dict of tensors)")
+    return state
+
+
+def load_into(module: torch.nn.Module, weights: dict[str, torch.Tensor], shown: str, partial: bool) -> str:
+    """Every rank: ``weights`` into ``module`` (whole or sharded); the line to print."""
+    own = module.state_dict()
+    tied = _tied_names(module)
+    missing = sorted(k for k in own if k not in weights and not (tied.get(k, set()) & weights.keys()))
+    unexpected = sorted(k for k in weights if k not in own)
+    for key in sorted(own.keys() & weights.keys()):
+        if tuple(own[key].shape) != tuple(weights[key].shape):
+            raise ConfigError(f"--init-from {shown}: {key} has shape {tuple(weights[key].shape)} there, "
+                              f"{tuple(own[key].shape)} in the model; give weights of this model")
+    if (missing or unexpected) and not partial:
+        raise ConfigError(f"--init-from {shown}: not this model's weights ({len(missing)} missing, e.g. "
+                          f"{missing[:3]}; {len(unexpected)} unexpected, e.g. {unexpected[:3]}); add "
+                          "--init-from-partial to load the tensors that match")
+    matching: dict[str, Any] = {key: value for key, value in weights.items() if key in own}
+    line = f"initialised from {shown}: {len(matching)} tensor(s)"  # (torch fills the dict it is given)
+    set_model_state_dict(module, matching, options=StateDictOptions(full_state_dict=True, strict=False))
+    if missing or unexpected:
+        line += f"; left as built: {missing[:5]}{' ...' if len(missing) > 5 else ''}; ignored: {unexpected[:5]}"
+    return line
+
+
+def _tied_names(module: torch.nn.Module) -> dict[str, set[str]]:
+    """Each parameter's other names (tied weights share one tensor)."""
+    by_tensor: dict[int, set[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(parameter), set()).add(name)
+    return {name: names - {name} for names in by_tensor.values() for name in names}
