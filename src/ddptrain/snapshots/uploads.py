@@ -36,6 +36,7 @@ from . import files
 
 UPLOAD_WAIT_S = 60.0  # default seconds a finished run waits for a store to take what it has not yet
 PREEMPTED_UPLOAD_WAIT_S = 10.0  # at most, after a stop signal (its grace period is short; the next start syncs)
+QUIET_WAIT_S = 1.0  # an end's wait shorter than this (a live store) prints nothing
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0)  # between attempts while the store does not answer
 END_FILES = ("model.pt", files.HF_MODEL)  # written once, at the end
 
@@ -238,13 +239,14 @@ class Uploader:
         is named in the ledger and, on the speaking rank, in StoreBehind (one line) ``at_end``,
         else in a warning (after a stop signal; none after a failure, whose wait is 0)."""
         wait_s = upload_wait_s() if wait_s is None else wait_s
-        deadline, said = time.monotonic() + wait_s, False
+        started = time.monotonic()
+        deadline, said = started + wait_s, False
         with self.cond:
             self.closing = True
             self.cond.notify_all()
             while self.queue and time.monotonic() < deadline:
-                if not said and self.speaks and at_end and (self.down_since is not None
-                                                            or time.monotonic() > deadline - wait_s + 1):
+                slow = self.down_since is not None or time.monotonic() > started + QUIET_WAIT_S
+                if slow and not said and self.speaks and at_end:  # a wait worth a line
                     said = True
                     say(f"ddptrain: waiting up to {wait_s:g} s for the store {self.remote.url} ({len(self.queue)} "
                         "upload(s) left)", sys.stderr)
