@@ -186,6 +186,8 @@ class Uploader:
                 self._pause(0.5)
                 continue
             except Exception as error:  # noqa: BLE001 - any client's error: the store is not answering
+                if self.given_up:  # close() has named what is left: nothing more to say
+                    return
                 self._went_down(error)
                 self._pause(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])
                 attempt += 1
