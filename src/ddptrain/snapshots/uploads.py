@@ -186,7 +186,7 @@ class Uploader:
                 self._pause(0.5)
                 continue
             except Exception as error:  # noqa: BLE001 - any client's error: the store is not answering
-                if self.given_up:  # close() has named what is left: nothing more to say
+                if self._given_up():  # close() has named what is left: nothing more to say
                     return
                 self._went_down(error)
                 self._pause(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])
@@ -194,6 +194,11 @@ class Uploader:
                 continue
             attempt = 0
             self._uploaded(upload, sent)
+
+    def _given_up(self) -> bool:
+        """(Set by close() on another thread, while this one waited on the store.)"""
+        with self.cond:
+            return self.given_up
 
     def _pause(self, seconds: float) -> None:
         with self.cond:
