@@ -99,14 +99,18 @@ def test_a_store_down_at_the_end_is_one_error_and_sync_up_uploads_it_later(s3_se
     assert "\n" not in message
     assert json.loads((mirror / LEDGER).read_text())["not_uploaded"] == ["snapshots/step-000000007.pt", "model.pt"]
 
+    (mirror / "best").mkdir()  # --keep-best's, written while the store was down
+    torch.save({"w": torch.zeros(2)}, mirror / "best" / "model.pt")
+    (mirror / "best" / "best.json").write_text('{"step": 7}\n')
     through_proxy.restore()
-    assert sync_up(RemoteDir(url), mirror, keep=2) == 3  # the snapshot, its manifest, model.pt
+    assert sync_up(RemoteDir(url), mirror, keep=2) == 5  # the snapshot, its manifest, model.pt, best/'s two
     fs = s3_server.filesystem()
     assert fs.exists("uploads-down/run/snapshots/step-000000007.pt.manifest")
     assert torch.equal(torch.load(mirror / "model.pt")["w"], torch.ones(2))
     assert fs.cat_file("uploads-down/run/model.pt") == (mirror / "model.pt").read_bytes()
+    assert fs.cat_file("uploads-down/run/best/best.json") == b'{"step": 7}\n'
     assert not (mirror / LEDGER).exists()
-    assert sync_up(RemoteDir(url), mirror, keep=2) == 1  # model.pt again; no snapshot newer than the store's
+    assert sync_up(RemoteDir(url), mirror, keep=2) == 3  # model.pt and best/ again; no snapshot newer than the store's
 
 
 def test_a_store_that_hangs_holds_the_end_no_longer_than_its_bound(s3_server, through_proxy, tmp_path):
