@@ -29,13 +29,17 @@ class TcpProxy:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> TcpProxy:
+        self._listen(self._accept)
+        return self
+
+    def _listen(self, serve) -> None:
+        """Listen on the proxy's port again; ``serve(listener)`` on a thread of its own."""
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((self.host, self.port))
         listener.listen(64)
         self.listener = listener
-        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
-        return self
+        threading.Thread(target=serve, args=(listener,), daemon=True).start()
 
     def restore(self) -> TcpProxy:
         self.cut()
@@ -43,12 +47,7 @@ class TcpProxy:
 
     def hang(self) -> None:
         self.cut()
-        listener = socket.socket()
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((self.host, self.port))
-        listener.listen(64)
-        self.listener = listener
-        threading.Thread(target=self._swallow, args=(listener,), daemon=True).start()
+        self._listen(self._swallow)
 
     def _swallow(self, listener: socket.socket) -> None:
         while True:

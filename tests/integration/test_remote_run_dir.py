@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ddptrain import ConfigError, TrainingFailed, free_port
-from helpers.commands import BIN, assert_same_weights, clean_env, ddptrain_cli, fit, load_model
+from helpers.commands import BIN, assert_same_weights, clean_env, ddptrain_cli, finish, fit, load_model
 from helpers.proxy import TcpProxy
 
 pytestmark = pytest.mark.slow
@@ -153,7 +153,9 @@ def _start_cut_run(s3_server, proxy, tmp_path, start, url, **more):
     fs, prefix = s3_server.filesystem(), url.removeprefix("s3://")
     deadline = time.monotonic() + 120
     while not fs.glob(f"{prefix}/snapshots/*.manifest"):
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        if process.poll() is not None or time.monotonic() > deadline:  # ended, or no snapshot in time
+            out, err, _ = finish(process, timeout=0)  # (kills what is still running)
+            raise AssertionError(f"no committed snapshot while the run went on\n{out}\n{err}")
         time.sleep(0.05)
     proxy.cut()
     return process, env
