@@ -12,11 +12,19 @@ export OMP_NUM_THREADS ?= 1
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-install: $(BIN)/python
+# Each install leaves a stamp: it runs again only when what it reads changed (a second
+# `make test-fast` starts pytest at once instead of re-resolving every dependency).
+$(VENV)/.installed-all: pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP) -e '.[all]'
+	touch $@
 
-dev: $(BIN)/python
+$(VENV)/.installed-dev: pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP) -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed-all
+
+dev: $(VENV)/.installed-dev
 
 train: install
 	$(BIN)/ddptrain train

@@ -3,13 +3,14 @@ with AdamW, 2 ranks, CPU: ddptrain at its defaults (CPU ranks under mimalloc, la
 fsdp under glibc's allocator (DDPTRAIN_ALLOCATOR=system), fsdp with --lean-cpu-memory under glibc,
 and the hand-written FSDP2 loop of `ddptrain bench` (`fully_shard` per block, mp.spawn, glibc).
 
-    python benchmarks/fsdp_memory.py [--reps 3]
+    python benchmarks/fsdp_memory.py [--reps 3] [--no-glibc] [--try-env MIMALLOC_PURGE_DELAY=100]
 
 samples/s: the steady rate of the bench's step clock (bench/clock.py: every contender's loss ticks
-it; the first 5 steps left out). Peak RSS: the largest process of the job (getrusage of the
-children, in a fresh wrapper per run). Model state: parameters + gradients + optimizer state of the
-largest ddptrain rank (metrics.jsonl). Medians over the repetitions, whose order rotates; the
-ranges are the spread.
+it; the first 5 steps left out). Peak RSS: the largest process of the job over its life (getrusage
+of the children, in a fresh wrapper per run); training peak: the same during training only
+(metrics.jsonl's peak_rss_mb at the last epoch's record, before the final snapshot and model.pt).
+Model state: parameters + gradients + optimizer state of the largest ddptrain rank (metrics.jsonl).
+Medians over the repetitions, whose order rotates; the ranges are the spread.
 """
 
 import argparse
@@ -48,18 +49,29 @@ def run(command: list[str], env: dict[str, str]) -> dict:
                                               "DDPTRAIN_BENCH_JOB": "fsdp", "DDPTRAIN_BENCH_CLOCK": str(clock),
                                               "DDPTRAIN_BENCH_STEPS": str(STEPS), **env})
         figures = {"samples_per_s": steady_rate(json.loads(clock.read_text()), 32),
-                   "rss_mb": int(done.stdout.split()[-1]) / 1024, "state_mb": float("nan")}
+                   "rss_mb": int(done.stdout.split()[-1]) / 1024, "state_mb": float("nan"),
+                   "training_rss_mb": float("nan")}
         metrics = Path(out) / "metrics.jsonl"
         if metrics.exists():
             last = json.loads(metrics.read_text().splitlines()[-1])
             figures["state_mb"] = last["memory_mb"]["model_state_mb"]["max"]
+            figures["training_rss_mb"] = last["memory_mb"]["peak_rss_mb"]["max"]
     return figures
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--try-env", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                        help="one more fsdp contender at the defaults plus these variables (repeatable)")
+    parser.add_argument("--glibc", action=argparse.BooleanOptionalAction, default=True,
+                        help="the two glibc contenders (--no-glibc: leave them out, a quicker run)")
     args = parser.parse_args()
+    if not args.glibc:
+        for name in [n for n in VARIANTS if "glibc" in n]:
+            del VARIANTS[name]
+    for spec in args.try_env:
+        VARIANTS[f"fsdp {spec}"] = (TRAIN + ["--strategy", "fsdp"], dict(kv.split("=", 1) for kv in spec.split(",")))
     results: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     for rep in range(args.reps):
         turn = rep % len(VARIANTS)
@@ -69,13 +81,15 @@ def main() -> None:
     median = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
     loop = median["hand-written fully_shard loop"]["samples_per_s"]
     print(f"\n{'contender':32s} {'samples/s (min-max)':>20s} {'vs loop':>7s} {'model state MB':>15s} "
-          f"{'peak RSS MB (min-max)':>22s} {'RSS vs ddp':>11s}")
+          f"{'peak RSS MB (min-max)':>22s} {'RSS vs ddp':>11s} {'training peak MB':>17s} {'vs ddp':>7s}")
     for name, figures in median.items():
         rates, peaks = [r["samples_per_s"] for r in results[name]], [r["rss_mb"] for r in results[name]]
         rate = f"{figures['samples_per_s']:.1f} ({min(rates):.1f}-{max(rates):.1f})"
         peak = f"{figures['rss_mb']:,.0f} ({min(peaks):,.0f}-{max(peaks):,.0f})"
         speed, memory = figures["samples_per_s"] / loop, figures["rss_mb"] / median["ddp"]["rss_mb"]
-        print(f"{name:32s} {rate:>20s} {speed:7.2f} {figures['state_mb']:15,.1f} {peak:>22s} {memory:11.2f}")
+        training = figures["training_rss_mb"] / median["ddp"]["training_rss_mb"]
+        print(f"{name:32s} {rate:>20s} {speed:7.2f} {figures['state_mb']:15,.1f} {peak:>22s} {memory:11.2f} "
+              f"{figures['training_rss_mb']:17,.0f} {training:7.2f}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .config import RunConfig
+from .errors import ConfigError
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: RunConfig) -> torch.optim.Optimizer:
@@ -41,6 +42,22 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig,
                     total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     factor = lr_factor(cfg.lr_schedule, cfg.warmup_steps, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, cfg: RunConfig,
+                   steps_per_epoch: int | None) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The run's learning-rate schedule (None: a constant rate, nothing to step). Its length is
+    the run's in optimizer steps: --max-steps or the epochs' steps, the fewer; a stream's epoch
+    has no known length, so a decaying schedule over epochs of a stream is refused."""
+    if cfg.lr_schedule == "constant" and cfg.warmup_steps == 0:
+        return None
+    limits = [cfg.max_steps] if cfg.max_steps is not None else []
+    if steps_per_epoch is not None and not math.isinf(cfg.epochs):
+        limits.append(steps_per_epoch * int(cfg.epochs))
+    if not limits and cfg.lr_schedule != "constant":
+        raise ConfigError(f"--lr-schedule {cfg.lr_schedule} needs the run's length, and an iterable "
+                          "training set's epoch has no known length; give --max-steps")
+    return build_scheduler(optimizer, cfg, min(limits) if limits else 1)
 
 
 class SchedulerState:

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from .comm import DistContext, apply_step_timeout, sum_over_ranks
 from .config import RunConfig
 from .console import say
-from .data import EvalBatches, MicroBatch, StepSampler, StreamBatches, TrainBatches, is_stream
+from .data import EvalBatches, MicroBatch, StreamBatches, training_batches
 from .errors import ConfigError
 from .observe.metrics import (
     EpochLosses,
@@ -36,9 +35,10 @@ from .observe.metrics import (
 )
 from .observe.report import NullReporter, Reporter
 from .observe.throughput import FlopCount, StepProfiler, device_peak_tflops, throughput_record
-from .optim import ScalerState, SchedulerState, build_optimizer, build_scheduler
+from .optim import ScalerState, SchedulerState, build_optimizer, build_schedule
 from .parallel import make_strategy
 from .parallel.base import ModelAndOptimizer, convert_sync_batchnorm, leaves_no_trace
+from .progress import Action, Cadence, Progress
 from .resilience.failures import STEP_NOTE
 from .resilience.guard import NonFiniteGuard, local_all_finite
 from .resilience.ray_train import RayReports
@@ -48,7 +48,7 @@ from .snapshots.checkpointer import Checkpointer, OneTable
 from .snapshots.files import HF_MODEL, atomic_save, snapshot_estimate, space_warning, write_hf_model
 from .snapshots.init_from import load_into, read_weights
 from .snapshots.restore import restore_point, resumed_config
-from .snapshots.uploads import PREEMPTED_UPLOAD_WAIT_S, Uploader, upload_wait_s
+from .snapshots.uploads import PREEMPTED_UPLOAD_WAIT_S, rank_uploader, upload_wait_s
 from .storage import local_dir, remote_of
 from .tasks.protocol import Task, check_pair, check_task, split_loss
 
@@ -57,30 +57,6 @@ GRADIENT_SYNC = "the gradient all-reduce"
 FORWARD_SYNC = "the forward pass's collective (FSDP's parameter all-gather)"
 BUFFER_SYNC = "the broadcast of rank 0's buffers (BatchNorm's running statistics)"
 COUNT_SYNC = "summing the step's loss counts over the ranks (step_fn returned (sum, count))"
-
-
-@dataclass
-class Progress:
-    """Where the run is; also the data position: the epoch's permutation and the step in it
-    say which samples come next (data.StepSampler)."""
-
-    epoch: int = 0
-    step_in_epoch: int = 0
-    global_step: int = 0
-    epoch_samples: int = 0  # trained this epoch, over every rank
-    steps_per_epoch: int | None = field(default=None, compare=False)  # the data's, not state (None: a stream)
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
-                "epoch_samples": self.epoch_samples}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
-        self.epoch_samples = state.get("epoch_samples", 0)
-        # Snapshots by version 0.2 could stop at an epoch's last step, before its record: the
-        # epoch then ends at once (its record logged) and the next one starts.
-        if self.steps_per_epoch:
-            self.step_in_epoch = min(self.step_in_epoch, self.steps_per_epoch)
 
 
 class Trainer:
@@ -95,7 +71,9 @@ class Trainer:
         self.remote = remote_of(self.cfg.run_dir)
         self.watchdog = ctx.watchdog
         self.strategy = make_strategy(cfg, ctx)
-        self.uploads = self._uploader()  # a run dir on a store: its files go up behind the training
+        # a run dir on a store: its files go up behind the training
+        self.uploads = rank_uploader(self.remote, self.run_dir, self.cfg.keep, ctx,
+                                     shards_in_files=self.strategy.snapshot_format == "dcp")
         self.module = task.model  # unwrapped: state_dict, evaluation, model.pt
         if cfg.sync_batchnorm:
             if self.device.type != "cuda":
@@ -121,7 +99,7 @@ class Trainer:
             self.reporter.info(load_into(self.module, read_weights(self.cfg.init_from), self.cfg.init_from,
                                          self.cfg.init_from_partial))
         cfg = self.cfg
-        self.batches = self._training_batches()
+        self.batches = training_batches(task.train_set, cfg, ctx, task.collate_fn, self.cpu_group)
         self.eval_batches = None if task.eval_set is None else EvalBatches(
             task.eval_set, cfg.batch_size, ctx.rank, ctx.world_size, self.device, cfg.workers, task.collate_fn,
             equal_counts=self.strategy.forward_syncs)
@@ -132,9 +110,10 @@ class Trainer:
                                     counts=ctx.is_main or self.strategy.shards_gradients)
         self.guard = NonFiniteGuard(cfg.skip_nonfinite)
         self.best = best_model(cfg, task.eval_set is not None)  # --keep-best / --early-stop
+        self.cadence = self._cadence()  # what is due after each step
         self.evaluated_at = -1  # the newest evaluation's global step, and its figures:
         self.last_evaluation: dict[str, Any] = {}
-        self.scheduler = self._build_scheduler()
+        self.scheduler = build_schedule(self.optimizer, cfg, self.steps_per_epoch)
         self.ray = RayReports(str(self.cfg.run_dir), ctx.is_main)  # inside a Ray Train worker: reports to Ray
         self.checkpointer = Checkpointer(
             cfg, ctx, self.run_dir, self.strategy, self.watchdog,
@@ -189,14 +168,15 @@ class Trainer:
     def train(self, max_epochs: int | None = None) -> str:
         """The tutorial's name for ``fit``; ``max_epochs`` replaces the config's (and so the schedule's length)."""
         if max_epochs is not None and max_epochs != self.cfg.epochs:
-            self.cfg = self.checkpointer.cfg = dataclasses.replace(self.cfg, max_epochs=max_epochs)
-            self.scheduler = self._build_scheduler()
-            self.checkpointer.states["scheduler"] = SchedulerState(self.scheduler)
+            self.cfg = dataclasses.replace(self.cfg, max_epochs=max_epochs)
+            self.cadence = self._cadence()
+            self.scheduler = build_schedule(self.optimizer, self.cfg, self.steps_per_epoch)
+            self.checkpointer.retarget(self.cfg, SchedulerState(self.scheduler))
         return self.fit()
 
     def _fit(self) -> str:
         if self.checkpointer.resume():
-            if self._done() and self.cfg.epochs > 0:
+            if self.cadence.done() and self.cfg.epochs > 0:
                 return "already_finished"
             where = f"epoch {self.progress.epoch}, step {self.progress.global_step}"
             self.reporter.info(f"resumed from {self.checkpointer.start.path}: {where}")  # type: ignore[union-attr]  # resume() found a start
@@ -215,7 +195,7 @@ class Trainer:
                                f"{self.steps_per_epoch or 'as many as the stream gives'} steps per epoch")
         if self.cfg.epochs == 0:  # the initial model's evaluation, before epoch 0
             self._log_evaluation(0)
-        while not self._done():
+        while not self.cadence.done():
             try:
                 ended_by = self._run_epoch(self.progress.epoch)
             except Exception as error:  # the failure report names the step it happened in
@@ -232,82 +212,56 @@ class Trainer:
 
     def _run_epoch(self, epoch: int) -> str:
         """One pass over this rank's shard: ``"done"``, or ``"preempted"`` after a stop signal.
-        A snapshot or a stop due at the epoch's last step waits for the epoch's record, so a
-        snapshot at an epoch's end always resumes at the next epoch's start. ``--max-steps``
-        may end the run inside an epoch: its record then says ``"partial": true``."""
+        After each step the cadence says what is due (progress.py): an evaluation, a snapshot,
+        leaving the epoch. ``--max-steps`` or ``--early-stop`` may end the run inside an epoch:
+        its record then says ``"partial": true``."""
         self.batches.set_epoch(epoch, start_step=self.progress.step_in_epoch)
         if self.cfg.log_ranks:  # the tutorial's per-rank line (Steps: optimizer steps)
             say(f"{self.ctx.tag} Epoch:{epoch}|Batchsize:{self.cfg.batch_size}|Steps:{self.steps_per_epoch or '?'}")
         self.reporter.epoch_started(epoch, self.steps_per_epoch, self.progress.step_in_epoch)
-        started, samples, steps_run = time.perf_counter(), 0, 0
-        steps = self.batches.steps()
-        save = stop = ended = exhausted = False
-        while not ended:
-            fetching = time.perf_counter()
-            group = next(steps, None)
-            if group is None:  # the epoch is over
-                exhausted = True
-                break
-            stepping = time.perf_counter()
-            loss, step_samples = self._run_batch(group)
-            if step_samples == 0:  # a stream's steps agreed it was over: no rank had a sample
-                exhausted = True
-                break
-            self.timings.add_step(stepping - fetching, time.perf_counter() - stepping)
-            self.profiler.step_done()
-            samples += step_samples
-            steps_run += 1
-            self.progress.epoch_samples += step_samples
-            self.progress.step_in_epoch += 1
-            self.progress.global_step += 1
-            if loss is None:  # skipped: not finite (--skip-nonfinite)
-                self.guard.skip(self.progress.global_step)
-            else:
-                self.losses.add(loss)
-            self.first_step_at = self.first_step_at or time.time()
-            shown = loss is not None and self.progress.global_step % LOSS_DISPLAY_EVERY == 0
-            self.reporter.step_done(loss * self.ctx.world_size if shown and loss is not None else None)  # rank 0's mean
-            ended = self._steps_reached()  # the run's last step: nothing can wait for a next one
-            decision = self.stop_signal.check()
-            stop = decision.stop and not ended
-            save = decision.snapshot or self.checkpointer.due_by_steps(self.progress.global_step)
-            if stop:
-                break
-            if not ended and self._eval_every_steps_due():  # before this step's snapshot: it holds the verdict
+        since = (time.perf_counter(), self.progress.step_in_epoch, self.progress.epoch_samples)
+        action, steps = Action(), self.batches.steps()
+        while not action.leaves_epoch and self._train_step(steps):
+            action = self.cadence.after_step(*self.stop_signal.check())
+            if action.evaluate:  # before this step's snapshot: it holds the verdict
                 self._log_evaluation(epoch)
-                ended = self._stopped_early()  # the run ends here; _finish takes the last snapshot
-            if save and self._epoch_goes_on() and not ended:
+                action = self.cadence.judged(action)
+            if action.save_now:
                 self._save()
-                save = False
         self.reporter.epoch_finished()
-        if exhausted and self.progress.step_in_epoch == 0:  # (a map-style set is never empty: checked)
+        ran_out = not action.leaves_epoch
+        if ran_out and self.progress.step_in_epoch == 0:  # (a map-style set is never empty: checked)
             raise ConfigError(f"the training stream gave no sample in epoch {epoch}, on any rank; check its "
                               "source (an empty folder or file list?)")
-        if exhausted or not self._epoch_goes_on():
-            self._end_epoch(epoch, time.perf_counter() - started, samples, steps_run)
-            if save and not stop:
+        if ran_out or self.progress.epoch_over:
+            self._end_epoch(epoch, since)
+            if action.save_after_record:
                 self._save()
-        elif ended:
-            self._end_epoch(epoch, time.perf_counter() - started, samples, steps_run, partial=True)
-        return "preempted" if stop else "done"
+        elif action.end:
+            self._end_epoch(epoch, since, partial=True)
+        return "preempted" if action.stop else "done"
 
-    def _steps_reached(self) -> bool:
-        return self.cfg.max_steps is not None and self.progress.global_step >= self.cfg.max_steps
-
-    def _done(self) -> bool:
-        """Whether the run has reached its end: ``--max-epochs``, ``--max-steps`` or ``--early-stop``, the first."""
-        return self.progress.epoch >= self.cfg.epochs or self._steps_reached() or self._stopped_early()
-
-    def _stopped_early(self) -> bool:
-        return self.best is not None and self.best.stopped
-
-    def _epoch_goes_on(self) -> bool:
-        """Whether the epoch has steps left (a stream's: unknown until it ends, so yes)."""
-        return self.steps_per_epoch is None or self.progress.step_in_epoch < self.steps_per_epoch
-
-    def _eval_every_steps_due(self) -> bool:
-        every = self.cfg.eval_every_steps
-        return self.task.eval_set is not None and every > 0 and self.progress.global_step % every == 0
+    def _train_step(self, steps: Iterator[list[tuple[Any, MicroBatch]]]) -> bool:
+        """The epoch's next step, if it has one (False: the epoch's data is over)."""
+        fetching = time.perf_counter()
+        group = next(steps, None)
+        if group is None:
+            return False
+        stepping = time.perf_counter()
+        loss, step_samples = self._run_batch(group)
+        if step_samples == 0:  # a stream's steps agreed it was over: no rank had a sample
+            return False
+        self.timings.add_step(stepping - fetching, time.perf_counter() - stepping)
+        self.profiler.step_done()
+        self.progress.step_done(step_samples)
+        if loss is None:  # skipped: not finite (--skip-nonfinite)
+            self.guard.skip(self.progress.global_step)
+        else:
+            self.losses.add(loss)
+        self.first_step_at = self.first_step_at or time.time()
+        shown = loss is not None and self.progress.global_step % LOSS_DISPLAY_EVERY == 0
+        self.reporter.step_done(loss * self.ctx.world_size if shown and loss is not None else None)  # rank 0's mean
+        return True
 
     def _run_batch(self, group: list[tuple[Any, MicroBatch]]) -> tuple[torch.Tensor | None, int]:
         """One optimizer step over ``group`` (``--grad-accum`` micro-batches). Returns this
@@ -437,10 +391,12 @@ class Trainer:
             self.scheduler.step()
 
     # --- epoch ends, evaluation, the end -------------------------------------------------------
-    def _end_epoch(self, epoch: int, seconds: float, samples: int, steps: int, partial: bool = False) -> None:
+    def _end_epoch(self, epoch: int, since: tuple[float, int, int], partial: bool = False) -> None:
         """The epoch's record (``samples``: trained in the epoch over every rank, every sample
-        once; the rates: this process's, ``samples`` of them and ``steps`` steps in
-        ``seconds``). ``partial``: the run ends inside the epoch (--max-steps), which stays where it is."""
+        once; the rates: this process's, since ``since``, the clock, step and samples when this
+        process began the epoch). ``partial``: the run ends inside the epoch, which stays where it is."""
+        seconds = time.perf_counter() - since[0]
+        steps, samples = self.progress.step_in_epoch - since[1], self.progress.epoch_samples - since[2]
         reduced = self._reduce(with_figures=True)
         loss_steps = int(reduced["loss_steps"])
         per_rank = reduced["figures"].tolist()  # each rank's row: 3 timings, 2 memory figures, FLOPs per step
@@ -464,7 +420,7 @@ class Trainer:
         if not self.first_step_reported and self.first_step_at is not None:
             record["first_step_at"] = self.first_step_at
             self.first_step_reported = True
-        if self._eval_due(epoch, final=partial or epoch + 1 >= self.cfg.epochs or self._steps_reached()):
+        if self.cadence.evaluate_at_epoch_end(epoch, partial):
             if self.evaluated_at == self.progress.global_step:  # this step's evaluation ran (and was judged)
                 record.update(self.last_evaluation)
             else:
@@ -472,7 +428,7 @@ class Trainer:
                 self._judge(record)
         self.reporter.log(record)
         if not partial:
-            self.progress.epoch, self.progress.step_in_epoch, self.progress.epoch_samples = epoch + 1, 0, 0
+            self.progress.next_epoch()
             self.losses.reset(first_step=self.progress.global_step)
             self.grad_norms.reset()
 
@@ -504,12 +460,6 @@ class Trainer:
         self.guard.check([int(s) for s in reduced["first_bad_step"].tolist()], int(reduced["bad_weights"]) == 0,
                          self.progress.global_step, self.progress.epoch, self.checkpointer.newest_path())
         return reduced
-
-    def _eval_due(self, epoch: int, final: bool) -> bool:
-        if self.task.eval_set is None:
-            return False
-        every = self.cfg.eval_every
-        return final or (every > 0 and (epoch + 1) % every == 0)
 
     def _log_evaluation(self, epoch: int) -> None:
         """An evaluation record of its own (at the start, or every --eval-every-steps), judged."""
@@ -568,16 +518,6 @@ class Trainer:
             dist.barrier()  # model.pt is complete before any rank reports success
         self.reporter.finish()
 
-    def _uploader(self) -> Uploader | None:
-        """A run dir on a store: rank 0 uploads the run; under FSDP a rank on another machine
-        than rank 0's uploads its own shard files (snapshots/uploads.py)."""
-        if self.remote is None:
-            return None
-        on_main_machine = self.ctx.rank < self.ctx.local_world_size
-        if not (self.ctx.is_main or (self.strategy.snapshot_format == "dcp" and not on_main_machine)):
-            return None
-        return Uploader(self.remote, self.run_dir, self.cfg.keep, speaks=self.ctx.is_main)
-
     # --- state -----------------------------------------------------------------------------------
     @property
     def global_batch(self) -> int:
@@ -593,28 +533,6 @@ class Trainer:
         this rank's shards."""
         self.checkpointer.load_state_dict(state, whole)
 
-    def _training_batches(self) -> TrainBatches | StreamBatches:
-        cfg, ctx, task = self.cfg, self.ctx, self.task
-        if is_stream(task.train_set):
-            return StreamBatches(task.train_set, ctx.rank, ctx.world_size, cfg.batch_size,  # type: ignore[arg-type]  # is_stream: an IterableDataset
-                                 cfg.grad_accum, self.device, cfg.workers, task.collate_fn, cfg.seed,
-                                 self.cpu_group, self.watchdog)
-        sampler = StepSampler(len(task.train_set), ctx.world_size, ctx.rank,  # type: ignore[arg-type]  # map-style: it has a length
-                              cfg.batch_size, cfg.grad_accum, cfg.seed)
-        return TrainBatches(task.train_set, sampler, self.device, cfg.workers, task.collate_fn)
-
-    def _total_steps(self) -> int | None:
-        """The run's length in optimizer steps (None: unknown, a stream trained by epochs)."""
-        limits = [self.cfg.max_steps] if self.cfg.max_steps is not None else []
-        if self.steps_per_epoch is not None and not math.isinf(self.cfg.epochs):
-            limits.append(self.steps_per_epoch * int(self.cfg.epochs))
-        return min(limits) if limits else None
-
-    def _build_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
-        if self.cfg.lr_schedule == "constant" and self.cfg.warmup_steps == 0:
-            return None  # nothing to step
-        total = self._total_steps()
-        if total is None and self.cfg.lr_schedule != "constant":
-            raise ConfigError(f"--lr-schedule {self.cfg.lr_schedule} needs the run's length, and an iterable "
-                              "training set's epoch has no known length; give --max-steps")
-        return build_scheduler(self.optimizer, self.cfg, total or 1)
+    def _cadence(self) -> Cadence:
+        return Cadence(self.cfg, self.progress, self.task.eval_set is not None,
+                       stopped_early=lambda: self.best is not None and self.best.stopped)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ddptrain.observe.metrics import EpochLosses
+from ddptrain.progress import Progress
 from ddptrain.resilience.guard import NonFiniteGuard
 from ddptrain.snapshots.checkpointer import OneTable
-from ddptrain.trainer import Progress
 
 
 def test_progress_round_trips_through_its_state():

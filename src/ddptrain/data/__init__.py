@@ -6,7 +6,8 @@
   (``TrainBatches``, ``EvalBatches``);
 - streams.py: iterable sets, shared among ranks and workers, agreed step by step, resumed
   exactly (``StreamBatches``);
-- token_file.py: ``TokenFile``, a memory-mapped file of token ids (nanoGPT's ``.bin``).
+- token_file.py: ``TokenFile``, a memory-mapped file of token ids (nanoGPT's ``.bin``);
+- training.py: which of them a run's training set takes (``training_batches``).
 
 docs/data.md says which to use when.
 """
@@ -15,6 +16,7 @@ from .batches import EvalBatches, TrainBatches, to_device
 from .sampling import MicroBatch, StepSampler
 from .streams import StreamBatches, is_stream
 from .token_file import TokenFile
+from .training import training_batches
 
 __all__ = ["EvalBatches", "MicroBatch", "StepSampler", "StreamBatches", "TokenFile", "TrainBatches", "is_stream",
-           "to_device"]
+           "to_device", "training_batches"]

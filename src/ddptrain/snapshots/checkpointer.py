@@ -124,8 +124,9 @@ class Checkpointer:
         return True
 
     # --- policy ----------------------------------------------------------------------------
-    def due_by_steps(self, global_step: int) -> bool:
-        return bool(self.cfg.save_every) and global_step % self.cfg.save_every == 0
+    def retarget(self, cfg: RunConfig, scheduler: Stateful) -> None:
+        """Trainer.train(max_epochs=...): a longer or shorter run, and the schedule made for it."""
+        self.cfg, self.states["scheduler"] = cfg, scheduler
 
     def due_by_time(self) -> bool:
         """Rank 0's clock (agreed by every rank through resilience/stop_signals.StopSignal)."""

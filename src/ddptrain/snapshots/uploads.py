@@ -29,6 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..comm import DistContext
 from ..console import say
 from ..errors import StoreBehind
 from ..storage import LEDGER, RUN_FILES, RemoteDir, snapshot_number
@@ -129,6 +130,18 @@ def dcp_missing(remote: RemoteDir, folder: Path) -> list[str]:
     named = {info.relative_path for info in FileSystemReader(folder).read_metadata().storage_data.values()}
     present = set(remote.files_of(f"snapshots/{folder.name}"))
     return sorted(named - present)
+
+
+def rank_uploader(remote: RemoteDir | None, mirror: Path, keep: int, ctx: DistContext,
+                  shards_in_files: bool) -> Uploader | None:
+    """A run dir on a store: rank 0 uploads the run; where every rank writes its own shard files
+    (``shards_in_files``: FSDP's DCP), a rank on another machine than rank 0's uploads its own."""
+    if remote is None:
+        return None
+    on_main_machine = ctx.rank < ctx.local_world_size
+    if not (ctx.is_main or (shards_in_files and not on_main_machine)):
+        return None
+    return Uploader(remote, mirror, keep, speaks=ctx.is_main)
 
 
 class Uploader:
