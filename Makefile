@@ -32,8 +32,8 @@ train: install
 test: dev lint
 	$(BIN)/pytest -q tests
 
-test-fast: dev  # the unit tests: pure logic in this process, seconds
-	$(BIN)/pytest -q tests/unit
+test-fast: dev  # the unit tests but the few slow ones: pure logic in this process, under 10 s
+	$(BIN)/pytest -q -m 'not slow' tests/unit
 
 # More of the combination matrix: make test-matrix N=200 SEED=7, or one case: make test-matrix CASE=<id>
 N ?= 40

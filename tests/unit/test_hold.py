@@ -37,6 +37,7 @@ def test_launchers_name_the_job_the_same_in_every_process_and_restart():
     assert job_id({"DDPTRAIN_JOB_ID": "local-1", "SLURM_JOB_ID": "42"}) == "local-1"
 
 
+@pytest.mark.slow  # a real S3 client: ~2 s
 def test_releasing_the_hold_on_a_store_that_is_gone_is_one_warning_not_a_traceback(monkeypatch, capsys):
     """A real S3 client against an endpoint where nothing listens (the store died at the end)."""
     pytest.importorskip("s3fs", reason="the s3 extra (pip install 'ddptrain[s3]') is not installed")

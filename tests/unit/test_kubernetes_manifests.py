@@ -11,6 +11,8 @@ import jsonschema
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow  # the CRDs' schemas: over a second in all
+
 REPO = Path(__file__).resolve().parents[2]
 CRDS = REPO / "tests" / "data" / "crds"
 MANIFESTS = {"trainjob.yaml": ("kubeflow-trainer-v2.3.0_trainjobs.yaml", "Kubeflow Trainer v2.3"),

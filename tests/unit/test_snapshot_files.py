@@ -93,6 +93,7 @@ def test_resume_path_is_checked_before_any_rank_starts(tmp_path):
         check_resume_path(str(tmp_path / "step-000000003.pt"))
 
 
+@pytest.mark.slow  # ~1 s
 def test_a_snapshots_size_is_estimated_from_the_model_and_the_optimizer():
     model = torch.nn.Linear(100, 10)  # 1,010 floats: 4,040 bytes
     assert files.snapshot_estimate(model, torch.optim.AdamW(model.parameters())) == 3 * 4040

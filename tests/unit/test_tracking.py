@@ -94,6 +94,7 @@ def test_a_failing_tracker_is_one_warning_and_the_others_get_everything(tmp_path
     assert healthy.closed == ("finished", ["config.json"], {"steps": 96})  # curves.png: not drawn, not sent
 
 
+@pytest.mark.slow  # waits its 1.5 s
 def test_a_hanging_tracker_delays_the_end_only_as_long_as_allowed(tmp_path, capsys):
     never = threading.Event()
     tracking = Tracking([Remembering(block=never)], tmp_path)
