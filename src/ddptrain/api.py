@@ -62,7 +62,7 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
     """Run the job: as this rank under a launcher, else start the local ranks here. Returns the
     outcome and this process's rank (0 for the local launcher: it speaks for the job).
     ``leave_on_failure``: a rank that fails says so and exits at once (the command line)."""
-    from .launch.environments import LocalEnvironment, PyTorchJobPod, detect
+    from .launch.environments import detect
 
     env = detect(local_rank_arg=local_rank_arg)
     env.validate()
@@ -75,7 +75,7 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
     if cfg.resume not in ("auto", "never"):
         from .snapshots.restore import check_resume_path
         check_resume_path(cfg.resume)
-    if not isinstance(env, LocalEnvironment):  # torchrun or srun started this process
+    if not env.starts_ranks:  # torchrun or srun started this process
         from .launch.rank import run_rank, run_rank_or_leave
         run = run_rank_or_leave if leave_on_failure else run_rank
         return cast("Outcome", run(cfg, factory, local_rank_arg)), env.rank  # (@record's None: SystemExit(0))
@@ -86,15 +86,14 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
     nproc = parse_nproc(cfg.nproc) or auto_nproc(cfg.device)
     device_kind, backend = resolve_device_kind(cfg.device, cfg.backend, nproc)
     check_comm_hook(cfg.comm_hook, backend)
-    pod = env.pod if isinstance(env, PyTorchJobPod) else 0  # one node of several; the first holds the run dir
-    if isinstance(env, PyTorchJobPod):
+    if line := env.start_line(nproc):  # a Kubeflow pod: one node of several
         from .console import say
 
-        say(f"ddptrain: a Kubeflow PyTorchJob pod (RANK={pod} of WORLD_SIZE={env.pods} pods): node {pod}, "
-            f"{nproc} rank(s) here, {nproc * env.pods} in all, meeting at {env.master_addr}:{env.master_port}")
-    hold = RunDirHold(local_dir(cfg.run_dir), new_job_id(), remote).acquire() if pod == 0 else None
+        say(line)
+    node = env.node_rank  # the first node holds the run dir
+    hold = RunDirHold(local_dir(cfg.run_dir), new_job_id(), remote).acquire() if node == 0 else None
     try:
-        return launch_local(cfg, nproc, device_kind, factory, env), pod * nproc
+        return launch_local(cfg, nproc, device_kind, factory, env), node * nproc
     finally:
         if hold is not None:
             hold.release()

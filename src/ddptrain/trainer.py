@@ -506,6 +506,7 @@ class Trainer:
         self._save(last=True)
         self.checkpointer.commit()
         self._share_buffers(self.progress.global_step)  # (a no-op when _save just did it: rare)
+        self.optimizer.zero_grad(set_to_none=True)  # spent: their room is model.pt's (gathered whole on rank 0)
         weights = self.strategy.full_model_state(self.module)  # every rank helps under fsdp
         if weights is not None:
             atomic_save(weights, self.run_dir / "model.pt")

@@ -9,8 +9,6 @@ from ddptrain.launch.environments import (
     SlurmEnvironment,
     TorchrunEnvironment,
     detect,
-    expand_hostlist,
-    expand_tasks_per_node,
 )
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
@@ -68,11 +66,11 @@ def test_slurm_master_from_environment_when_set():
     ("x-[8-9]y", ["x-8y", "x-9y"]),
 ])
 def test_expand_hostlist(text, hosts):
-    assert expand_hostlist(text) == hosts
+    assert SlurmEnvironment.expand_hostlist(text) == hosts
 
 
 def test_expand_tasks_per_node():
-    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert SlurmEnvironment.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
 
 
 @pytest.mark.parametrize("spelling", [["--local-rank=1"], ["--local_rank", "1"]])
@@ -89,8 +87,8 @@ POD = {"RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT"
 
 def test_a_pytorchjob_pods_rank_and_world_size_count_pods():
     env = detect(POD)
-    assert isinstance(env, PyTorchJobPod) and isinstance(env, LocalEnvironment)  # it starts the ranks
-    assert (env.pod, env.pods, env.master_addr, env.master_port) == (1, 3, "127.0.0.1", 23456)
+    assert isinstance(env, PyTorchJobPod) and env.starts_ranks
+    assert (env.node_rank, env.nodes, env.master_addr, env.master_port) == (1, 3, "127.0.0.1", 23456)
     env.validate()
 
 

@@ -1,8 +1,10 @@
 """Who started this process? One small class per launcher, each with a ``detect()``.
 
 Modelled on Lightning Fabric's cluster environments: each reads its launcher's variables
-and answers rank, world size, local rank and the master's address. ``detect`` picks the
-first that matches; ``LocalEnvironment`` means no launcher, so ddptrain starts the ranks.
+and answers by properties: rank, world size, local rank, the master's address, and whether
+ddptrain starts the ranks itself (``starts_ranks``: no launcher, or a Kubeflow pod) as node
+``node_rank`` of ``nodes``. Callers ask those, never which class they hold. ``detect`` picks
+the first that matches.
 """
 
 from __future__ import annotations
@@ -10,14 +12,36 @@ from __future__ import annotations
 import os
 import re
 import socket
+import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks ddptrain starts on this machine meet those of the job's other machines."""
+
+    run_id: str
+    local_addr: str  # this machine's address as the others reach it
+    configs: dict[str, object]  # torch's rendezvous options
+    own_endpoint: bool  # ddptrain alone chose MASTER_ADDR:MASTER_PORT: check it can listen there first
+
+
 class Environment:
+    """This process's place in the job, as its launcher describes it. ``starts_ranks``: no launcher
+    started the ranks, so ddptrain starts ``--nproc`` of them here (launch/local.py) as node
+    ``node_rank`` of ``nodes``; otherwise this process is rank ``rank`` of ``world_size``."""
+
     name = "base"
+    starts_ranks = False
+    # The variables the messages name (each launcher spells them its own way), and what they count.
+    rank_var, world_var, local_rank_var = "RANK", "WORLD_SIZE", "LOCAL_RANK"
+    too_few = "{count_var}={count}: the world needs at least one rank"
+    outside = "{index_var}={index} is outside the world ({count_var}={count}): ranks are 0 to {last}"
+    lowest_port, port_advice = 1, "; set it to a free port, or unset it where ddptrain may choose one"
 
     def __init__(self, env: Mapping[str, str] | None = None, local_rank_arg: int | None = None):
         self.env = dict(os.environ if env is None else env)
@@ -27,22 +51,32 @@ class Environment:
     def detect(cls, env: Mapping[str, str]) -> bool:
         raise NotImplementedError
 
-    # Every property below describes this process's place in the job.
+    # Every property below describes this process's place in the job; a process that starts the
+    # ranks is the launcher of this machine's ranks: rank 0 of its own world of 1.
     @property
     def rank(self) -> int:
-        raise NotImplementedError
+        return 0
 
     @property
     def world_size(self) -> int:
-        raise NotImplementedError
+        return 1
 
     @property
     def local_rank(self) -> int:
-        raise NotImplementedError
+        return 0
 
     @property
     def local_world_size(self) -> int:
-        raise NotImplementedError
+        return 1
+
+    @property
+    def nodes(self) -> int:
+        """The machines the job spans (where ddptrain starts the ranks: the ones it meets)."""
+        return -(-self.world_size // self.local_world_size)
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // self.local_world_size
 
     @property
     def master_addr(self) -> str:
@@ -53,27 +87,43 @@ class Environment:
         raise NotImplementedError
 
     def validate(self) -> None:
-        """ConfigError naming the variable when this launcher's variables cannot describe a rank."""
-        for name in ("rank", "world_size", "local_rank", "local_world_size", "master_port"):
-            getattr(self, name)  # each property names its variable when it cannot be read
-        if self.world_size < 1:
-            raise ConfigError(f"{self.world_var}={self.world_size}: the world needs at least one rank")
-        if not 0 <= self.rank < self.world_size:
-            raise ConfigError(f"{self.rank_var}={self.rank} is outside the world ({self.world_var}="
-                              f"{self.world_size}): ranks are 0 to {self.world_size - 1}")
-        if not 0 <= self.local_rank < self.local_world_size:
-            raise ConfigError(f"{self.local_rank_var}={self.local_rank} is outside this node's "
-                              f"{self.local_world_size} rank(s): local ranks are 0 to {self.local_world_size - 1}")
-        if not 1 <= self.master_port <= 65535:
-            raise ConfigError(f"MASTER_PORT={self.master_port} is not a port (1-65535); "
-                              "set it to a free port, or unset it where ddptrain may choose one")
+        """ConfigError naming the variable when this launcher's variables cannot describe a place."""
+        if self.starts_ranks:  # this machine's place among the job's machines
+            self._check_place(self.node_rank, self.nodes, self.rank_var, self.world_var)
+        else:
+            for name in ("rank", "world_size", "local_rank", "local_world_size", "master_port"):
+                getattr(self, name)  # each property names its variable when it cannot be read
+            self._check_place(self.rank, self.world_size, self.rank_var, self.world_var)
+            if not 0 <= self.local_rank < self.local_world_size:
+                raise ConfigError(f"{self.local_rank_var}={self.local_rank} is outside this node's "
+                                  f"{self.local_world_size} rank(s): local ranks are 0 to {self.local_world_size - 1}")
+        if not self.lowest_port <= self.master_port <= 65535:
+            raise ConfigError(f"MASTER_PORT={self.master_port} is not a port ({self.lowest_port}-65535)"
+                              f"{self.port_advice}")
         check_resolvable(self.master_addr, "MASTER_ADDR")
 
-    # The variables the messages name (each launcher spells them its own way).
-    rank_var, world_var, local_rank_var = "RANK", "WORLD_SIZE", "LOCAL_RANK"
+    def _check_place(self, index: int, count: int, index_var: str, count_var: str) -> None:
+        if count < 1:
+            raise ConfigError(self.too_few.format(count_var=count_var, count=count))
+        if not 0 <= index < count:
+            raise ConfigError(self.outside.format(index_var=index_var, index=index, count_var=count_var,
+                                                  count=count, last=count - 1))
 
     def shared_store_warning(self) -> str | None:
         """A line to print at start about how this launcher was set up, or None."""
+        return None
+
+    def start_line(self, nproc: int) -> str | None:
+        """Where ddptrain starts the ranks: a line saying where this machine's fit in, or None."""
+        return None
+
+    def rendezvous(self, timeout: float) -> Rendezvous:
+        """Where ddptrain starts the ranks: how they meet the job's other machines' (``timeout``:
+        how long every machine has to join)."""
+        raise NotImplementedError(f"{self.name}: its launcher starts the ranks")
+
+    def join_failed(self, timeout: float) -> str | None:
+        """The line for a rendezvous that timed out (None: torch's error says it)."""
         return None
 
     def _int(self, name: str) -> int:
@@ -198,7 +248,7 @@ class SlurmEnvironment(Environment):
         name = "SLURM_STEP_TASKS_PER_NODE" if "SLURM_STEP_TASKS_PER_NODE" in self.env else "SLURM_TASKS_PER_NODE"
         node = self._int("SLURM_NODEID") if "SLURM_NODEID" in self.env else 0
         try:
-            counts = expand_tasks_per_node(self.env.get(name, "1"))
+            counts = self.expand_tasks_per_node(self.env.get(name, "1"))
         except ValueError as error:
             raise ConfigError(f"{name}: {error}") from None
         if not 0 <= node < len(counts):
@@ -213,7 +263,7 @@ class SlurmEnvironment(Environment):
             return self.env["MASTER_ADDR"]
         name = "SLURM_STEP_NODELIST" if self.env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
         try:
-            return expand_hostlist(self.env[name])[0]
+            return self.expand_hostlist(self.env[name])[0]
         except (ValueError, IndexError):
             raise ConfigError(f"{name}={self.env[name]!r} is not a Slurm host list; "
                               "set MASTER_ADDR to the first node's address") from None
@@ -226,20 +276,67 @@ class SlurmEnvironment(Environment):
         job_id = self._int("SLURM_JOB_ID") if "SLURM_JOB_ID" in self.env else 0
         return 15000 + job_id % 20000
 
+    # Slurm's compressed lists, as its variables write them.
+    @classmethod
+    def expand_hostlist(cls, hostlist: str) -> list[str]:
+        """Slurm's compressed host lists: ``gpu[01-04,07],login1`` -> gpu01 … gpu04, gpu07, login1."""
+        hosts: list[str] = []
+        for item in cls._split_top_level(hostlist):
+            hosts.extend(cls._expand_item(item))
+        return hosts
+
+    @staticmethod
+    def _split_top_level(text: str) -> list[str]:
+        items, depth, start = [], 0, 0
+        for i, char in enumerate(text):
+            depth += char == "["
+            depth -= char == "]"
+            if char == "," and depth == 0:
+                items.append(text[start:i])
+                start = i + 1
+        items.append(text[start:])
+        return [item.strip() for item in items if item.strip()]
+
+    @classmethod
+    def _expand_item(cls, item: str) -> list[str]:
+        match = re.search(r"\[([^\]]*)\]", item)
+        if not match:
+            if "[" in item or "]" in item:
+                raise ValueError(f"cannot read Slurm host list {item!r}")
+            return [item]
+        prefix, suffix = item[: match.start()], item[match.end():]
+        names: list[str] = []
+        for part in match.group(1).split(","):
+            bounds = re.match(r"^(\d+)(?:-(\d+))?$", part.strip())
+            if not bounds:
+                raise ValueError(f"cannot read Slurm host list {item!r}")
+            low, high = bounds.group(1), bounds.group(2) or bounds.group(1)
+            names.extend(f"{prefix}{n:0{len(low)}d}" for n in range(int(low), int(high) + 1))
+        return [host for name in names for host in cls._expand_item(name + suffix)]
+
+    @staticmethod
+    def expand_tasks_per_node(spec: str) -> list[int]:
+        """``2(x3),1`` -> [2, 2, 2, 1] (Slurm's SLURM_TASKS_PER_NODE form)."""
+        counts: list[int] = []
+        for part in spec.split(","):
+            match = re.match(r"^(\d+)(?:\(x(\d+)\))?$", part.strip())
+            if not match:
+                raise ValueError(f"cannot read Slurm tasks per node {spec!r}")
+            counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+        return counts
+
 
 class LocalEnvironment(Environment):
-    """No launcher: ddptrain starts the ranks itself (launch/local.py)."""
+    """No launcher: ddptrain starts the ranks itself (launch/local.py), meeting at
+    MASTER_ADDR:MASTER_PORT when set (port 0, the default: the OS picks a free one)."""
 
     name = "local"
+    starts_ranks = True
+    lowest_port, port_advice = 0, "; unset it to let the OS pick a free one"
 
     @classmethod
     def detect(cls, env: Mapping[str, str]) -> bool:
         return True
-
-    rank = 0
-    local_rank = 0
-    world_size = 1
-    local_world_size = 1
 
     @property
     def master_addr(self) -> str:
@@ -249,15 +346,11 @@ class LocalEnvironment(Environment):
     def master_port(self) -> int:
         return self._int("MASTER_PORT") if "MASTER_PORT" in self.env else 0
 
-    def validate(self) -> None:
-        """Where the local ranks meet: MASTER_ADDR/MASTER_PORT when set (0: the OS picks a port)."""
-        if not 0 <= self.master_port <= 65535:
-            raise ConfigError(f"MASTER_PORT={self.master_port} is not a port (0-65535); unset it "
-                              "to let the OS pick a free one")
-        check_resolvable(self.master_addr, "MASTER_ADDR")
+    def rendezvous(self, timeout: float) -> Rendezvous:
+        return Rendezvous(str(uuid.uuid4()), self.master_addr, {}, own_endpoint=True)
 
 
-class PyTorchJobPod(LocalEnvironment):
+class PyTorchJobPod(Environment):
     """A pod of a Kubeflow PyTorchJob (the training operator's v1 API). The operator sets
     torchrun's names to other meanings: ``WORLD_SIZE`` is the number of pods, ``RANK`` this pod's
     index, ``MASTER_ADDR:MASTER_PORT`` the master pod's service; torchrun's own variables
@@ -267,35 +360,47 @@ class PyTorchJobPod(LocalEnvironment):
     script that sets the four variables for one rank by hand, which stays one rank."""
 
     name = "pytorchjob"
+    starts_ranks = True
+    too_few = "{count_var}={count}: a PyTorchJob has at least one pod"
+    outside = ("{index_var}={index} is outside the PyTorchJob's {count} pod(s) ({count_var}): "
+               "pod indices are 0 to {last}")
+    port_advice = ""
 
     @classmethod
     def detect(cls, env: Mapping[str, str]) -> bool:
         return (TorchrunEnvironment.detect(env) and "KUBERNETES_SERVICE_HOST" in env
                 and not any(k in env for k in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "GROUP_RANK")))
 
-    rank_var, world_var = "RANK", "WORLD_SIZE"
-
     @property
-    def pod(self) -> int:
+    def node_rank(self) -> int:
         return self._int("RANK")
 
     @property
-    def pods(self) -> int:
+    def nodes(self) -> int:
         return self._int("WORLD_SIZE")
 
     @property
     def master_addr(self) -> str:
         return self.env["MASTER_ADDR"]
 
-    def validate(self) -> None:
-        if self.pods < 1:
-            raise ConfigError(f"WORLD_SIZE={self.pods}: a PyTorchJob has at least one pod")
-        if not 0 <= self.pod < self.pods:
-            raise ConfigError(f"RANK={self.pod} is outside the PyTorchJob's {self.pods} pod(s) (WORLD_SIZE): "
-                              f"pod indices are 0 to {self.pods - 1}")
-        if not 1 <= self.master_port <= 65535:
-            raise ConfigError(f"MASTER_PORT={self.master_port} is not a port (1-65535)")
-        check_resolvable(self.master_addr, "MASTER_ADDR")
+    @property
+    def master_port(self) -> int:
+        return self._int("MASTER_PORT") if "MASTER_PORT" in self.env else 0
+
+    def start_line(self, nproc: int) -> str:
+        return (f"ddptrain: a Kubeflow PyTorchJob pod (RANK={self.node_rank} of WORLD_SIZE={self.nodes} pods): "
+                f"node {self.node_rank}, {nproc} rank(s) here, {nproc * self.nodes} in all, meeting at "
+                f"{self.master_addr}:{self.master_port}")
+
+    def rendezvous(self, timeout: float) -> Rendezvous:
+        return Rendezvous(f"ddptrain-{self.master_addr}-{self.master_port}", self.own_address(),
+                          {"is_host": self.node_rank == 0, "join_timeout": timeout},  # all pods, or a clear error
+                          own_endpoint=False)
+
+    def join_failed(self, timeout: float) -> str:
+        return (f"not every pod of the PyTorchJob joined within --timeout {timeout:g} s at "
+                f"{self.master_addr}:{self.master_port}: WORLD_SIZE={self.nodes} says {self.nodes} pods; check the "
+                "job's replicas (in a PyTorchJob, WORLD_SIZE counts pods, not processes)")
 
     def own_address(self) -> str:
         """This pod's address as the other pods reach it: the one its route to the master uses."""
@@ -304,7 +409,7 @@ class PyTorchJobPod(LocalEnvironment):
             return probe.getsockname()[0]
 
     def describe(self) -> dict[str, object]:
-        return {"launcher": self.name, "pod": self.pod, "pods": self.pods, "master_addr": self.master_addr,
+        return {"launcher": self.name, "pod": self.node_rank, "pods": self.nodes, "master_addr": self.master_addr,
                 "master_port": self.master_port}
 
 
@@ -338,54 +443,3 @@ def check_resolvable(host: str, name: str) -> None:
     except (socket.gaierror, UnicodeError):
         raise ConfigError(f"{name}={host!r} is not a known host or address; "
                           "give the address of the rank-0 machine") from None
-
-
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
-
-
-def expand_hostlist(hostlist: str) -> list[str]:
-    """Slurm's compressed host lists: ``gpu[01-04,07],login1`` -> gpu01 … gpu04, gpu07, login1."""
-    hosts: list[str] = []
-    for item in _split_top_level(hostlist):
-        hosts.extend(_expand_item(item))
-    return hosts
-
-
-def _split_top_level(text: str) -> list[str]:
-    items, depth, start = [], 0, 0
-    for i, char in enumerate(text):
-        depth += char == "["
-        depth -= char == "]"
-        if char == "," and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
-    items.append(text[start:])
-    return [item.strip() for item in items if item.strip()]
-
-
-def _expand_item(item: str) -> list[str]:
-    match = re.search(r"\[([^\]]*)\]", item)
-    if not match:
-        if "[" in item or "]" in item:
-            raise ValueError(f"cannot read Slurm host list {item!r}")
-        return [item]
-    prefix, suffix = item[: match.start()], item[match.end():]
-    names: list[str] = []
-    for part in match.group(1).split(","):
-        bounds = _RANGE.match(part.strip())
-        if not bounds:
-            raise ValueError(f"cannot read Slurm host list {item!r}")
-        low, high = bounds.group(1), bounds.group(2) or bounds.group(1)
-        names.extend(f"{prefix}{n:0{len(low)}d}" for n in range(int(low), int(high) + 1))
-    return [host for name in names for host in _expand_item(name + suffix)]
-
-
-def expand_tasks_per_node(spec: str) -> list[int]:
-    """``2(x3),1`` -> [2, 2, 2, 1] (Slurm's SLURM_TASKS_PER_NODE form)."""
-    counts: list[int] = []
-    for part in spec.split(","):
-        match = re.match(r"^(\d+)(?:\(x(\d+)\))?$", part.strip())
-        if not match:
-            raise ValueError(f"cannot read Slurm tasks per node {spec!r}")
-        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
-    return counts

@@ -30,7 +30,7 @@ from ..resilience.failures import failure_report
 from ..resilience.stop_signals import restore_handlers
 from ..storage import local_dir
 from ..tasks.protocol import TaskFactory
-from .environments import LocalEnvironment, PyTorchJobPod
+from .environments import Environment, LocalEnvironment
 from .group import cuda_count
 from .rank import Outcome, rank_entry
 
@@ -99,24 +99,22 @@ def new_job_id() -> str:
 
 
 def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFactory | None,
-                 env: LocalEnvironment | None = None) -> Outcome:
+                 env: Environment | None = None) -> Outcome:
     """Run ``nproc`` ranks on this machine; rank 0's outcome, or LaunchFailed / ConfigError.
-    ``env``: a PyTorchJob pod is one node of several, meeting at the master pod's address."""
+    ``env``: one that starts the ranks (no launcher; a PyTorchJob pod is one node of several,
+    meeting at the master pod's address)."""
     env = env or LocalEnvironment()
     run_dir = local_dir(cfg.run_dir)  # a remote run dir: its local mirror (logs stay on this machine)
-    if isinstance(env, PyTorchJobPod):
-        nodes, addr, port = env.pods, env.master_addr, env.master_port
-        run_id, local_addr = f"ddptrain-{addr}-{port}", env.own_address()
-        rdzv_conf = {"is_host": env.pod == 0, "join_timeout": cfg.timeout}  # all pods, or a clear error
-    else:
-        nodes, addr, port = 1, env.master_addr, env.master_port  # port 0: the OS picks a free one, no clashes
+    addr, port = env.master_addr, env.master_port  # port 0: the OS picks a free one, no clashes
+    meeting = env.rendezvous(cfg.timeout)
+    if meeting.own_endpoint:
         check_can_listen(addr, port)
-        run_id, local_addr, rdzv_conf = str(uuid.uuid4()), addr, {}
     config = LaunchConfig(
-        min_nodes=nodes, max_nodes=nodes, nproc_per_node=nproc, run_id=run_id,
+        min_nodes=env.nodes, max_nodes=env.nodes, nproc_per_node=nproc, run_id=meeting.run_id,
         # c10d, not the faster "static" rendezvous (0.13 s against 0.3-0.4 s here): under static,
         # a restarted rank 0 hung creating its store on the agent's port (tried: the kill tests).
-        rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}", local_addr=local_addr, rdzv_configs=rdzv_conf,
+        rdzv_backend="c10d", rdzv_endpoint=f"{addr}:{port}", local_addr=meeting.local_addr,
+        rdzv_configs=meeting.configs,
         max_restarts=cfg.max_restarts, monitor_interval=0.1, start_method=start_method(device_kind),
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")),
     )
@@ -135,11 +133,10 @@ def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFact
         report, code = failure_report(failure, nproc, run_dir)
         raise LaunchFailed(report, code) from None
     except RendezvousTimeoutError:
-        if not isinstance(env, PyTorchJobPod):
+        line = env.join_failed(cfg.timeout)
+        if line is None:
             raise
-        raise ConfigError(f"not every pod of the PyTorchJob joined within --timeout {cfg.timeout:g} s at "
-                          f"{addr}:{port}: WORLD_SIZE={env.pods} says {env.pods} pods; check the job's replicas "
-                          "(in a PyTorchJob, WORLD_SIZE counts pods, not processes)") from None
+        raise ConfigError(line) from None
     except SignalException as stop:
         return "preempted", (f"stopped by {stop.sigval.name}; the ranks saved a snapshot if they reached a "
                              "step boundary; run the same command to resume")
