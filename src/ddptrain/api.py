@@ -114,18 +114,11 @@ def fit(task: str | TaskFactory, *, config: str | None = None, **options: Any) -
     """
     cfg, factory = prepare(task, options, config)
     if cfg.run_dir is None:  # a Ray Train worker's run lives in Ray's storage for the job
-        from .resilience.ray_train import ray_storage_run_dir
+        from .observe.ray_train import ray_storage_run_dir
 
         if (in_ray := ray_storage_run_dir()) is not None:
             cfg = dataclasses.replace(cfg, run_dir=in_ray)
-    from .errors import LaunchFailed
-
-    try:
-        (status, message), rank = execute(cfg, factory)
-    except LaunchFailed as failure:
-        if failure.exit_code == 2:
-            raise ConfigError(str(failure).removeprefix("ddptrain: error: ")) from None
-        raise TrainingFailed(str(failure)) from None
+    (status, message), rank = execute(cfg, factory)
     if status == "config_error":
         raise ConfigError(message)
     if status == "preempted":

@@ -95,12 +95,12 @@ def given_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def train(args: argparse.Namespace) -> int:
     from .api import execute, prepare
-    from .errors import LaunchFailed
+    from .errors import TrainingFailed
 
     cfg, factory = prepare(None, given_options(args), args.config)  # torch is not imported before this
     try:
         outcome, rank = execute(cfg, factory, args.local_rank, leave_on_failure=True)
-    except LaunchFailed as failure:
+    except TrainingFailed as failure:
         from .console import say
 
         say(str(failure), sys.stderr)

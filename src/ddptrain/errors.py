@@ -53,16 +53,14 @@ class SnapshotError(ConfigError):
     """A snapshot cannot be used: one line naming the file and the problem."""
 
 
-class LaunchFailed(RuntimeError):
-    """A rank failed (or hung); the message is the report the command line prints."""
+class TrainingFailed(RuntimeError):
+    """A rank failed or hung; the message is ddptrain's report (which rank, and why), as the
+    command line prints it, and ``exit_code`` the command's status. (A rank's configuration
+    error reaches the launcher's caller as the ConfigError it is.)"""
 
-    def __init__(self, report: str, exit_code: int) -> None:
+    def __init__(self, report: str, exit_code: int = 1) -> None:
         super().__init__(report)
         self.exit_code = exit_code
-
-
-class TrainingFailed(RuntimeError):
-    """A rank failed or hung; the message is ddptrain's report (which rank, and why)."""
 
 
 class Stopped(RuntimeError):

@@ -177,6 +177,16 @@ class RemoteDir:
         os.replace(tmp, local)
         return True
 
+    def read_json(self, name: str) -> dict[str, Any]:
+        """A small JSON object of the run dir ({} when there is none, or it is cut short)."""
+        try:
+            return json.loads(self.fs.cat_file(self.path(name)))
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def write_json(self, name: str, value: dict[str, Any]) -> None:
+        self.fs.pipe_file(self.path(name), json.dumps(value).encode())
+
     def remove(self, name: str) -> None:
         if self.fs.exists(self.path(name)):
             self.fs.rm(self.path(name), recursive=True)

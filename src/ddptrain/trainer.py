@@ -23,16 +23,17 @@ from .config import RunConfig
 from .console import say
 from .data import EvalBatches, MicroBatch, StreamBatches, training_batches
 from .errors import ConfigError
+from .observe.evaluation import evaluate
 from .observe.metrics import (
     EpochLosses,
     GradNorms,
     RankTimings,
-    evaluate,
     memory_record,
     model_state_mb,
     peak_rss_mb,
     timing_record,
 )
+from .observe.ray_train import RayReports
 from .observe.report import NullReporter, Reporter
 from .observe.throughput import FlopCount, StepProfiler, device_peak_tflops, throughput_record
 from .optim import ScalerState, SchedulerState, build_optimizer, build_schedule
@@ -41,7 +42,6 @@ from .parallel.base import ModelAndOptimizer, convert_sync_batchnorm, leaves_no_
 from .progress import Action, Cadence, Progress
 from .resilience.failures import STEP_NOTE
 from .resilience.guard import NonFiniteGuard, local_all_finite
-from .resilience.ray_train import RayReports
 from .resilience.stop_signals import StopSignal
 from .snapshots.best import BEST, best_model, write_best
 from .snapshots.checkpointer import Checkpointer, OneTable

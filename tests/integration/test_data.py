@@ -107,7 +107,7 @@ def test_a_stream_without_state_resumes_by_reading_again_and_says_so(whole_strea
 def test_a_stream_of_300_short_epochs_forks_its_workers_1200_times_and_ends(tmp_path):
     """Each epoch forks 2 DataLoader workers per rank. Forked the instant another thread of the
     rank entered Python (CPython 3.11.7, gh-112275), a worker deadlocked before it ran a line:
-    unpaused, this job hung in most runs of 1000 steps (comm.settle_before_fork)."""
+    unpaused, this job hung in most runs of 1000 steps (data/workers.settle_before_fork)."""
     fit(TASKS + "stream", tmp_path, env={"STREAM_SAMPLES": "32"}, max_steps=600, workers=2, batch_size=8,
         timeout=30)
     epochs = _epochs(tmp_path)

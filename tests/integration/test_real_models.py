@@ -6,7 +6,7 @@ import torch
 
 from ddptrain import RunConfig, TrainingFailed
 from ddptrain.data import EvalBatches
-from ddptrain.observe.metrics import evaluate
+from ddptrain.observe.evaluation import evaluate
 from helpers.commands import assert_same_weights, fit, load_model, read_metrics
 from helpers.ranks import run_on_ranks
 

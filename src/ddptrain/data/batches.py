@@ -2,7 +2,7 @@
 micro-batches, grouped into optimizer steps) and for evaluation (``EvalBatches``).
 
 Evaluation cuts the set into the same consecutive batches for any world size; rank r takes
-batches r, r+W, ... (no padding, no duplicates), so its figures can be exact (observe/metrics.py).
+batches r, r+W, ... (no padding, no duplicates), so its figures can be exact (observe/evaluation.py).
 
 Two ways to build batches give bitwise-identical tensors, in training and in evaluation:
 - in-memory fast path: a ``TensorDataset`` (and no ``collate_fn``) is moved to the device
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
-from ..comm import settle_before_fork
 from .sampling import MicroBatch, StepSampler
+from .workers import settle_before_fork
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:

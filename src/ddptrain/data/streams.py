@@ -39,10 +39,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..comm import CollectiveMarks, broadcast_object, settle_before_fork
+from ..comm import CollectiveMarks, broadcast_object
 from ..errors import ConfigError
 from .batches import ExplainedCollate, to_device
 from .sampling import MicroBatch
+from .workers import settle_before_fork
 
 AGREEING = "agreeing on the step's sample counts (an iterable training set)"
 

@@ -25,8 +25,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ..config import RunConfig
-from ..errors import ConfigError, LaunchFailed
-from ..resilience.failures import failure_report
+from ..errors import ConfigError
+from ..resilience.failures import job_failure
 from ..resilience.stop_signals import restore_handlers
 from ..storage import local_dir
 from ..tasks.protocol import TaskFactory
@@ -100,7 +100,7 @@ def new_job_id() -> str:
 
 def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFactory | None,
                  env: Environment | None = None) -> Outcome:
-    """Run ``nproc`` ranks on this machine; rank 0's outcome, or LaunchFailed / ConfigError.
+    """Run ``nproc`` ranks on this machine; rank 0's outcome, or TrainingFailed / ConfigError.
     ``env``: one that starts the ranks (no launcher; a PyTorchJob pod is one node of several,
     meeting at the master pod's address)."""
     env = env or LocalEnvironment()
@@ -130,8 +130,7 @@ def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFact
                 import torch._dynamo  # noqa: F401
             outcomes = elastic_launch(config, rank_entry)(cfg, factory)
     except ChildFailedError as failure:
-        report, code = failure_report(failure, nproc, run_dir)
-        raise LaunchFailed(report, code) from None
+        raise job_failure(failure, nproc, run_dir) from None
     except RendezvousTimeoutError:
         line = env.join_failed(cfg.timeout)
         if line is None:

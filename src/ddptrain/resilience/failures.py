@@ -31,6 +31,7 @@ from ..errors import (
     SnapshotError,
     StorageNotShared,
     StoreBehind,
+    TrainingFailed,
 )
 
 # A rank's error arrives as text ("ExceptionType: message", torch's error file): matched by
@@ -93,7 +94,7 @@ def hard_exit(code: int) -> None:
 def kill_children() -> None:
     """SIGKILL this process's children: a failed rank leaves no DataLoader worker behind. A
     worker notices its parent's death only once it runs Python; one stuck before that (forked
-    into a deadlock: comm.settle_before_fork) lived on, holding its rank's pipes, so the
+    into a deadlock: data/workers.settle_before_fork) lived on, holding its rank's pipes, so the
     launcher never saw the rank end and the job never did."""
     me = os.getpid()
     try:
@@ -157,6 +158,15 @@ def root_cause(errors: dict[int, RankError], killed: dict[int, str]) -> RankErro
     if silent:
         return silent[0]
     return earliest([e for e in errors.values() if e.kind not in SECONDARY]) or earliest(list(errors.values()))
+
+
+def job_failure(failure: Any, nproc: int, run_dir: Path) -> ConfigError | TrainingFailed:
+    """What torch's ChildFailedError means to ddptrain's caller: a rank's configuration error
+    (one line, exit status 2) as a ConfigError, anything else as the failure report."""
+    report, code = failure_report(failure, nproc, run_dir)
+    if code == 2:
+        return ConfigError(report.removeprefix("ddptrain: error: "))
+    return TrainingFailed(report, code)
 
 
 def failure_report(failure: Any, nproc: int, run_dir: Path) -> tuple[str, int]:

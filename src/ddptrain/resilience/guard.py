@@ -36,8 +36,8 @@ def local_all_finite(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
 
 
 class NonFiniteGuard:
-    def __init__(self, skip_limit: int, group: object = None) -> None:
-        self.skip_limit, self.group = skip_limit, group
+    def __init__(self, skip_limit: int) -> None:
+        self.skip_limit = skip_limit
         self.skipped: list[int] = []  # global steps skipped (in snapshots: resume stays exact)
 
     def state_dict(self) -> dict[str, Any]:
@@ -81,7 +81,7 @@ class NonFiniteGuard:
             grads_ok = local_all_finite(grads).to(loss.device)
         flag = (~(torch.isfinite(loss.detach()) & grads_ok)).to(torch.float32).reshape(1)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the default group: where the gradients meet
         return not bool(flag.item())
 
     def skip(self, step: int) -> None:

@@ -80,7 +80,7 @@ class RunDirHold:
                     break
                 time.sleep(0.05)
                 holder = _read(fd)
-            if holder and holder.get("job") != self.job and not self._stale(holder, locked):
+            if holder and holder.get("job") != self.job and not stale(holder, gone_here=locked):  # lock free: gone
                 raise ConfigError(self._refusal(holder))
             if not locked and not (holder and holder.get("job") == self.job):
                 raise ConfigError(self._refusal(holder or {}))
@@ -114,18 +114,11 @@ class RunDirHold:
             os.close(self.fd)
             self.fd = None
 
-    def _stale(self, holder: dict[str, Any], locked: bool) -> bool:
-        if holder.get("host") == socket.gethostname():
-            return locked  # the holder's lock is free: it is gone
-        return time.time() - float(holder.get("heartbeat", 0)) > STALE_S
-
     def _refusal(self, holder: dict[str, Any]) -> str:
         return refusal(str(self.path.parent), holder)
 
     def _write(self) -> None:
-        record = {"job": self.job, "host": socket.gethostname(), "pid": os.getpid(), "since": self.since,
-                  "heartbeat": time.time()}
-        data = json.dumps(record).encode()
+        data = json.dumps(hold_record(self.job, self.since)).encode()
         assert self.fd is not None
         os.pwrite(self.fd, data.ljust(max(len(data), 512)), 0)  # padded: a rewrite never leaves a tail
 
@@ -140,6 +133,20 @@ class RunDirHold:
                     self.remote.write()
                 except Exception:  # noqa: BLE001 - a store that is briefly unreachable: beat again later
                     pass
+
+
+def hold_record(job: str, since: float) -> dict[str, Any]:
+    """What a hold says, in the folder and on a store alike: the job, where it runs, since when,
+    and its newest heartbeat."""
+    return {"job": job, "host": socket.gethostname(), "pid": os.getpid(), "since": since, "heartbeat": time.time()}
+
+
+def stale(holder: dict[str, Any], gone_here: bool) -> bool:
+    """Whether ``holder`` is a dead job's: on this host, ``gone_here`` (its lock free, or its
+    process gone: a SIGKILL leaves the record behind); elsewhere, a heartbeat older than STALE_S."""
+    if holder.get("host") == socket.gethostname():
+        return gone_here
+    return time.time() - float(holder.get("heartbeat", 0)) > STALE_S
 
 
 def refusal(run_dir: str, holder: dict[str, Any]) -> str:
@@ -158,14 +165,11 @@ class RemoteHold:
         self.remote, self.job, self.since = remote, job, time.time()
 
     def record(self) -> dict[str, Any]:
-        try:
-            return json.loads(self.remote.fs.cat_file(self.remote.path(HOLD_FILE)))
-        except (FileNotFoundError, ValueError):
-            return {}
+        return self.remote.read_json(HOLD_FILE)
 
     def acquire(self) -> None:
         holder = self.record()
-        if holder and holder.get("job") != self.job and not self._stale(holder):
+        if holder and holder.get("job") != self.job and not stale(holder, gone_here=not _alive(holder)):
             raise ConfigError(refusal(self.remote.url, holder))
         self.write()
         time.sleep(self.SETTLE_S)
@@ -173,24 +177,8 @@ class RemoteHold:
         if holder.get("job") != self.job:
             raise ConfigError(refusal(self.remote.url, holder))
 
-    @staticmethod
-    def _stale(holder: dict[str, Any]) -> bool:
-        """On this host: its process is gone (a SIGKILL leaves the record behind); elsewhere: its
-        heartbeat is older than STALE_S."""
-        if holder.get("host") == socket.gethostname():
-            try:
-                os.kill(int(holder.get("pid", 0)), 0)
-            except ProcessLookupError:
-                return True
-            except (PermissionError, ValueError):
-                return False
-            return False
-        return time.time() - float(holder.get("heartbeat", 0)) > STALE_S
-
     def write(self) -> None:
-        record = {"job": self.job, "host": socket.gethostname(), "pid": os.getpid(), "since": self.since,
-                  "heartbeat": time.time()}
-        self.remote.fs.pipe_file(self.remote.path(HOLD_FILE), json.dumps(record).encode())
+        self.remote.write_json(HOLD_FILE, hold_record(self.job, self.since))
 
     def release(self, quiet: bool = False) -> None:
         """Remove our record, waiting at most RELEASE_WAIT_S (a store that hangs must not hold the
@@ -218,6 +206,17 @@ class RemoteHold:
             return
         print(f"ddptrain: warning: could not release the hold on {self.remote.url} ({why}); it goes stale "
               f"{STALE_S:g} s after its last heartbeat, then the run dir is free", file=sys.stderr, flush=True)
+
+
+def _alive(holder: dict[str, Any]) -> bool:
+    """Whether the holder's process (on this host) still runs."""
+    try:
+        os.kill(int(holder.get("pid", 0)), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True
+    return True
 
 
 def _try_lock(fd: int) -> bool:

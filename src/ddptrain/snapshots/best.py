@@ -1,6 +1,6 @@
 """The best model so far (``--keep-best METRIC[:min|max]``) and early stopping (``--early-stop N``).
 
-Every evaluation is judged on every rank from the same figures (observe/metrics.evaluate sums
+Every evaluation is judged on every rank from the same figures (observe/evaluation.evaluate sums
 every rank's rows in one all-reduce, in batch order), so every rank takes the same decision:
 which evaluation is the best, and whether the run stops. No rank ever waits for another's vote.
 

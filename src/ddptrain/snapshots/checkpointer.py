@@ -26,7 +26,7 @@ from ..config import RunConfig
 from ..errors import StorageNotShared
 from ..storage import RemoteDir
 from . import dcp as snapshot_dcp
-from . import files
+from . import files, rng
 from .restore import Snapshot
 
 MAX_SNAPSHOT_SHARE = 0.02  # of training time, at most, spent on the training path saving
@@ -120,7 +120,7 @@ class Checkpointer:
             return False
         self.load_state_dict(self.start.state, self.start.whole)
         if self.start.state["world_size"] == self.ctx.world_size:
-            files.restore_rng(self.start.state["rng"][self.ctx.rank])
+            rng.restore_rng(self.start.state["rng"][self.ctx.rank])
         return True
 
     # --- policy ----------------------------------------------------------------------------
@@ -156,7 +156,7 @@ class Checkpointer:
         if self.writer is not None:
             self.writer.wait()
         with self.marks.waiting("snapshot: gathering every rank's random state", global_step):
-            rng_states = files.gather_rng_states(self.ctx.world_size, self.group)
+            rng_states = rng.gather_rng_states(self.ctx.world_size, self.group)
         by_rank = self._gather_per_rank(global_step)
         self._check_visible(self.saved_step)
         self._announce()
