@@ -81,6 +81,8 @@ def build_parser() -> OneLineParser:
                         help="the snapshot of global step N instead of model.pt (an FSDP run's DCP folder too)")
     export.add_argument("--best", action="store_true",
                         help="the best evaluation's weights (best/model.pt of a run trained with --keep-best)")
+    export.add_argument("--ema", action="store_true",
+                        help="the weights' moving average at the end (ema/model.pt of a run trained with --ema)")
     export.add_argument("--out", required=True, help="the file (safetensors, torch) or folder (hf) to write")
     export.add_argument("--force", action="store_true", help="replace --out if it exists")
     commands.add_parser("bench", help="benchmark ddptrain against hand-written DDP loops and peers "
@@ -131,10 +133,11 @@ def report(args: argparse.Namespace) -> int:
         from .export import export_command_hint
 
         print(export_command_hint(args.run_dir))
-    if (run_dir / "best" / "model.pt").is_file():
-        from .export import export_command_hint
+    for kept in ("best", "ema"):
+        if (run_dir / kept / "model.pt").is_file():
+            from .export import export_command_hint
 
-        print(export_command_hint(args.run_dir, best=True))
+            print(export_command_hint(args.run_dir, kept))
     if args.sync and args.sync != "store":
         print(sync_tracker(run_dir, args.sync, summary))
     return 0
@@ -184,9 +187,11 @@ def export_command(args: argparse.Namespace) -> int:
     out = Path(args.out)
     check_out(out, args.force)  # before anything is fetched or read
     run_dir = readable_copy(args.run_dir, snapshots=args.snapshot is not None)
-    if args.best and args.snapshot is not None:
-        raise ConfigError("export: give --best or --snapshot N, not both")
-    print(export(run_dir, args.format, out, args.snapshot, args.force, shown=args.run_dir, best=args.best))
+    kept = [name for name in ("best", "ema") if getattr(args, name)]
+    if len(kept) + (args.snapshot is not None) > 1:
+        raise ConfigError("export: give one of --best, --ema and --snapshot N")
+    print(export(run_dir, args.format, out, args.snapshot, args.force, shown=args.run_dir,
+                 kept=kept[0] if kept else None))
     return 0
 
 

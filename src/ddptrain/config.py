@@ -53,7 +53,7 @@ MATH_FIELDS = ("task", "seed", "lr", "optimizer", "momentum", "weight_decay", "l
 NOT_IDENTITY = ("run_dir", "resume", "max_epochs", "max_steps", "progress", "tensorboard", "tracker", "plot",
                 "log_ranks", "timeout", "max_restarts", "keep", "save_every", "save_seconds", "eval_every",
                 "eval_every_steps", "workers", "peak_tflops", "profile", "lean_cpu_memory", "keep_best",
-                "early_stop", "early_stop_delta")
+                "early_stop", "early_stop_delta", "ema", "ema_every")
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,10 @@ class RunConfig:
                            "metric (0: off)", default=0)
     early_stop_delta: float = _opt("the least change of the --keep-best metric that counts as an improvement "
                                    "for --early-stop", default=0.0)
+    ema: float = _opt("keep an exponential moving average of the weights with this decay (0: off; e.g. 0.999): "
+                      "evaluated beside the weights (ema_eval_*), in every snapshot, written to RUN_DIR/ema/model.pt",
+                      default=0.0)
+    ema_every: int = _opt("update the --ema average every N optimizer steps", default=1)
     log_ranks: bool = _opt("every rank prints the tutorial's per-epoch line", default=False)
     progress: bool | None = _opt("progress bar on rank 0 (default: when stderr is a terminal)",
                                  default=None)
@@ -297,6 +301,8 @@ def validate(cfg: RunConfig) -> None:
          "--early-stop needs --keep-best METRIC: the figure whose improvement it waits for (e.g. eval_loss)"),
         (math.isfinite(cfg.early_stop_delta) and cfg.early_stop_delta >= 0,
          f"--early-stop-delta must be a finite number >= 0, got {cfg.early_stop_delta}"),
+        (cfg.ema == 0 or 0 < cfg.ema < 1, f"--ema must be a decay between 0 and 1 (e.g. 0.999; 0: off), got {cfg.ema}"),
+        (cfg.ema_every >= 1, f"--ema-every must be at least 1, got {cfg.ema_every}"),
         (cfg.grad_accum >= 1, f"--grad-accum must be at least 1, got {cfg.grad_accum}"),
         (cfg.skip_nonfinite >= 0, f"--skip-nonfinite must be >= 0 (0: stop at the first), got {cfg.skip_nonfinite}"),
         (cfg.clip_grad is None or (math.isfinite(cfg.clip_grad) and cfg.clip_grad > 0),

@@ -25,16 +25,21 @@ from .errors import ConfigError
 FORMATS = ("safetensors", "hf", "torch")
 
 
-def run_weights(run_dir: Path, snapshot: int | None = None, best: bool = False) -> dict[str, torch.Tensor]:
-    """The run's final weights, those of its snapshot at global step ``snapshot``, or (``best``)
-    its best evaluation's (--keep-best)."""
+# Weights a run keeps beside model.pt: (the flag that keeps them, what they are).
+KEPT = {"best": ("--keep-best METRIC (e.g. eval_loss)", "the best evaluation's weights"),
+        "ema": ("--ema DECAY (e.g. 0.999)", "the weights' moving average")}
+
+
+def run_weights(run_dir: Path, snapshot: int | None = None, kept: str | None = None) -> dict[str, torch.Tensor]:
+    """The run's final weights, those of its snapshot at global step ``snapshot``, or those it
+    kept beside them (``kept``: ``best``, --keep-best's; ``ema``, --ema's average at the end)."""
     if not (run_dir / "config.json").is_file():
         raise ConfigError(f"{run_dir} holds no ddptrain run (no config.json); give the --run-dir of a run")
-    if best:
-        if not (run_dir / "best" / "model.pt").is_file():
-            raise ConfigError(f"{run_dir} has no best/model.pt: train with --keep-best METRIC (e.g. eval_loss) to "
-                              "keep the best evaluation's weights")
-        return torch.load(run_dir / "best" / "model.pt", map_location="cpu", weights_only=True)
+    if kept is not None:
+        flag, what = KEPT[kept]
+        if not (run_dir / kept / "model.pt").is_file():
+            raise ConfigError(f"{run_dir} has no {kept}/model.pt: train with {flag} to keep {what}")
+        return torch.load(run_dir / kept / "model.pt", map_location="cpu", weights_only=True)
     if snapshot is None:
         if not (run_dir / "model.pt").is_file():
             raise ConfigError(f"{run_dir} has no model.pt (the run has not finished); finish it, or export a "
@@ -61,11 +66,11 @@ def _steps(run_dir: Path) -> list[int]:
 
 
 def export(run_dir: Path, fmt: str, out: Path, snapshot: int | None = None, force: bool = False,
-           shown: str | None = None, best: bool = False) -> str:
+           shown: str | None = None, kept: str | None = None) -> str:
     """Write the run's weights as ``fmt`` to ``out`` (written aside, then moved in: an export cut
     short leaves no part); the line to print. ``shown``: the run dir as the user named it."""
     check_out(out, force)
-    weights = run_weights(run_dir, snapshot, best)
+    weights = run_weights(run_dir, snapshot, kept)
     model = _pretrained_model(run_dir, weights) if fmt == "hf" else None
     aside = out.with_name(f".{out.name}.{os.getpid()}.export")
     try:
@@ -74,7 +79,7 @@ def export(run_dir: Path, fmt: str, out: Path, snapshot: int | None = None, forc
 
             save_file({k: v.detach().contiguous().clone() for k, v in weights.items()}, str(aside),
                       metadata={"ddptrain_run": shown or str(run_dir),
-                                "step": "best" if best else str(snapshot or "final")})
+                                "step": kept or str(snapshot or "final")})
         elif fmt == "torch":
             torch.save({k: v.detach().clone() for k, v in weights.items()}, aside)
         else:
@@ -85,7 +90,7 @@ def export(run_dir: Path, fmt: str, out: Path, snapshot: int | None = None, forc
                           "you can write to") from None
     finally:
         shutil.rmtree(aside, ignore_errors=True) if aside.is_dir() else aside.unlink(missing_ok=True)
-    step = "best/model.pt" if best else f"step {snapshot}" if snapshot else "model.pt"
+    step = f"{kept}/model.pt" if kept else f"step {snapshot}" if snapshot else "model.pt"
     return f"ddptrain export: {shown or run_dir} ({step}) -> {out} ({fmt})"
 
 
@@ -171,9 +176,10 @@ def _from_task(run_dir: Path) -> Any:
     return model
 
 
-def export_command_hint(run_dir: str, best: bool = False) -> str:
-    """The command that exports the run's model.pt (``best``: its best evaluation's weights)."""
+def export_command_hint(run_dir: str, kept: str | None = None) -> str:
+    """The command that exports the run's model.pt (``kept``: ``best`` or ``ema``, those weights)."""
     out = Path(run_dir).name if "://" in run_dir else str(Path(run_dir) / "model")
-    if best:
-        return f"export the best: ddptrain export {run_dir} --best --format safetensors --out {out}-best.safetensors"
+    if kept:
+        what = "the best" if kept == "best" else "the average"
+        return f"export {what}: ddptrain export {run_dir} --{kept} --format safetensors --out {out}-{kept}.safetensors"
     return f"export: ddptrain export {run_dir} --format safetensors --out {out}.safetensors"

@@ -270,7 +270,7 @@ class RemoteDir:
 
     def move_aside(self, stamp: str) -> str | None:
         """A fresh start: an earlier run's objects go to ``previous-<stamp>/``; its name, or None."""
-        found = [n for n in self.names() if n in (*RUN_FILES, "snapshots", "model.pt", "curves.png")]
+        found = [n for n in self.names() if n in (*RUN_FILES, "snapshots", "model.pt", "curves.png", "best", "ema")]
         if not found:
             return None
         target = f"previous-{stamp}"
@@ -281,7 +281,7 @@ class RemoteDir:
 
 def readable_copy(run_dir: str, snapshots: bool = False) -> Path:
     """A run dir to read (``ddptrain report``, ``export``): a local one as it is; a store's run
-    copied down (its run files, model.pt and best/; its committed snapshots too with ``snapshots``) into
+    copied down (its run files, model.pt, best/ and ema/; its committed snapshots too with ``snapshots``) into
     a folder beside its mirror, so a job training into that mirror here is never disturbed."""
     if not is_remote(run_dir):
         return Path(run_dir)
@@ -291,7 +291,7 @@ def readable_copy(run_dir: str, snapshots: bool = False) -> Path:
     copy = local_dir(run_dir).with_name(local_dir(run_dir).name + ".read")
     copy.mkdir(parents=True, exist_ok=True)
     remote.pull_run_files(copy)
-    for name in ("model.pt", "best/model.pt", "best/best.json"):
+    for name in ("model.pt", "best/model.pt", "best/best.json", "ema/model.pt"):
         if not remote.get(name, copy / name):
             (copy / name).unlink(missing_ok=True)
     if snapshots:

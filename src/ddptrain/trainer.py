@@ -38,6 +38,7 @@ from .observe.report import NullReporter, Reporter
 from .observe.throughput import FlopCount, StepProfiler, device_peak_tflops, throughput_record
 from .optim import ScalerState, SchedulerState, build_optimizer, build_schedule
 from .parallel import make_strategy
+from .parallel.averaging import EMA_DIR, WeightAverage
 from .parallel.base import ModelAndOptimizer, convert_sync_batchnorm, leaves_no_trace
 from .progress import Action, Cadence, Progress
 from .resilience.failures import STEP_NOTE
@@ -87,17 +88,21 @@ class Trainer:
         apply_step_timeout(cfg.timeout)
         self.params = params = list(self.model.parameters())
         self.optimizer = task.make_optimizer(params) if task.make_optimizer else build_optimizer(params, cfg)
+        self.average = WeightAverage(self.module, cfg.ema, cfg.ema_every) if cfg.ema else None  # --ema
+        self.weights = ModelAndOptimizer(self.strategy, self.module, self.optimizer, self.average)
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16" and self.device.type == "cuda")
         self.reporter = (Reporter(self.cfg, self.run_dir, self.uploads) if ctx.is_main
                          else NullReporter(self.cfg, self.run_dir))
         # Where the run starts decides the batch size (a resume on another world size keeps the
         # snapshot's global batch), and the batch size the data, the epoch and the schedule.
-        self.start = restore_point(self.cfg, ctx, self.run_dir, self.module, self.optimizer, self.strategy,
+        self.start = restore_point(self.cfg, ctx, self.run_dir, self.module, self.weights.state_dict,
                                    self.watchdog, self.remote)  # chosen by rank 0, checked by all
         self.cfg = resumed_config(self.start, self.cfg, ctx.world_size, self.reporter.info)
         if self.start is None and self.cfg.init_from:  # weights only, before step 0 (every rank reads them)
             self.reporter.info(load_into(self.module, read_weights(self.cfg.init_from), self.cfg.init_from,
                                          self.cfg.init_from_partial))
+            if self.average is not None:
+                self.average.restart()
         cfg = self.cfg
         self.batches = training_batches(task.train_set, cfg, ctx, task.collate_fn, self.cpu_group)
         self.eval_batches = None if task.eval_set is None else EvalBatches(
@@ -117,7 +122,7 @@ class Trainer:
         self.ray = RayReports(str(self.cfg.run_dir), ctx.is_main)  # inside a Ray Train worker: reports to Ray
         self.checkpointer = Checkpointer(
             cfg, ctx, self.run_dir, self.strategy, self.watchdog,
-            weights=ModelAndOptimizer(self.strategy, self.module, self.optimizer),
+            weights=self.weights,
             states={"scheduler": SchedulerState(self.scheduler), "scaler": ScalerState(self.scaler),
                     # one table in the snapshot format: where the run is, the epoch's loss so far, skips
                     "progress": OneTable(self.progress, self.losses, self.grad_norms, self.guard,
@@ -186,7 +191,8 @@ class Trainer:
         resumed_at = None if self.start is None else (self.progress.global_step, self.progress.epoch)
         self.reporter.begin(self.cfg, resumed_at)
         if self.ctx.rank == 0 and self.cfg.keep > 0:
-            low = space_warning(self.run_dir, snapshot_estimate(self.module, self.optimizer), self.cfg.keep)
+            low = space_warning(self.run_dir, snapshot_estimate(self.module, self.optimizer, self.average is not None),
+                                self.cfg.keep)
             if low:
                 self.reporter.info(f"ddptrain: {low}")
         if self.start is None:
@@ -238,7 +244,7 @@ class Trainer:
             if action.save_after_record:
                 self._save()
         elif action.end:
-            self._end_epoch(epoch, since, partial=True)
+            self._end_epoch(epoch, since, partial="--max-steps" if self.cadence.steps_reached() else "--early-stop")
         return "preempted" if action.stop else "done"
 
     def _train_step(self, steps: Iterator[list[tuple[Any, MicroBatch]]]) -> bool:
@@ -303,6 +309,8 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        if self.average is not None:
+            self.average.update(self.progress.global_step + 1)
         self._step_scheduler()
         return total, step_samples
 
@@ -391,10 +399,11 @@ class Trainer:
             self.scheduler.step()
 
     # --- epoch ends, evaluation, the end -------------------------------------------------------
-    def _end_epoch(self, epoch: int, since: tuple[float, int, int], partial: bool = False) -> None:
+    def _end_epoch(self, epoch: int, since: tuple[float, int, int], partial: str | None = None) -> None:
         """The epoch's record (``samples``: trained in the epoch over every rank, every sample
         once; the rates: this process's, since ``since``, the clock, step and samples when this
-        process began the epoch). ``partial``: the run ends inside the epoch, which stays where it is."""
+        process began the epoch). ``partial``: the limit that ends the run inside the epoch, which
+        stays where it is."""
         seconds = time.perf_counter() - since[0]
         steps, samples = self.progress.step_in_epoch - since[1], self.progress.epoch_samples - since[2]
         reduced = self._reduce(with_figures=True)
@@ -406,28 +415,29 @@ class Trainer:
             "train_loss": float(reduced["loss_total"]) / loss_steps if loss_steps else float("nan"),
             "lr": self.optimizer.param_groups[0]["lr"], **self.grad_norms.figures(reduced["grad_squares"]),
             "samples_per_s": round(samples / seconds, 1) if seconds > 0 else None,
-            "epoch_time_s": round(seconds, 3), "samples": self._epoch_samples(partial), "time": round(time.time(), 3),
+            "epoch_time_s": round(seconds, 3), "samples": self._epoch_samples(partial is not None),
+            "time": round(time.time(), 3),
             **throughput_record(samples, seconds, steps, job_flops, self.task.tokens_per_sample, self.peak_tflops,
                                 self.ctx.world_size),
             **timing_record([row[:3] for row in per_rank]),
             "memory_mb": memory_record([row[3:5] for row in per_rank]),
         }
         if partial:
-            record["partial"] = True
+            record["partial"], record["ended_by"] = True, partial
         skipped = self.guard.skipped_after(self.progress.global_step - self.progress.step_in_epoch)
         if skipped:
             record["skipped_steps"] = skipped
         if not self.first_step_reported and self.first_step_at is not None:
             record["first_step_at"] = self.first_step_at
             self.first_step_reported = True
-        if self.cadence.evaluate_at_epoch_end(epoch, partial):
+        if self.cadence.evaluate_at_epoch_end(epoch, partial is not None):
             if self.evaluated_at == self.progress.global_step:  # this step's evaluation ran (and was judged)
                 record.update(self.last_evaluation)
             else:
                 record.update(self._evaluation())
                 self._judge(record)
         self.reporter.log(record)
-        if not partial:
+        if partial is None:
             self.progress.next_epoch()
             self.losses.reset(first_step=self.progress.global_step)
             self.grad_norms.reset()
@@ -449,7 +459,9 @@ class Trainer:
         first_bad_step[rank] = self.losses.first_nonfinite_step()
         if with_figures:
             figures[rank] = torch.tensor([*self.timings.take(self.watchdog.take_waited()), peak_rss_mb(),
-                                          model_state_mb(self.params, self.optimizer), self.flops.per_step or 0])
+                                          model_state_mb(self.params, self.optimizer,
+                                                         self.average.local_bytes() if self.average else 0),
+                                          self.flops.per_step or 0])
         reduced = sum_over_ranks({
             "loss_total": self.losses.local_sum(),
             # the ranks' parts add up to a step's loss: rank 0 alone counts the steps
@@ -485,9 +497,16 @@ class Trainer:
         self.evaluated_at = self.progress.global_step
         self._share_buffers(self.progress.global_step)  # every rank evaluates what model.pt holds
         model = self.strategy.eval_model(self.module, self.model)
-        result = evaluate(model, self.eval_batches, self.task, self.strategy.autocast(), self.ctx.rank,
-                          self.ctx.world_size, self.watchdog, forward_syncs=self.strategy.forward_syncs)
-        self.last_evaluation = {f"eval_{k}": v for k, v in result.items()}
+        def run() -> dict[str, float]:
+            return evaluate(model, self.eval_batches, self.task, self.strategy.autocast(),  # type: ignore[arg-type]  # checked above
+                            self.ctx.rank, self.ctx.world_size, self.watchdog,
+                            forward_syncs=self.strategy.forward_syncs)
+
+        self.last_evaluation = {f"eval_{k}": v for k, v in run().items()}
+        if self.average is not None:  # the average's figures beside the weights'
+            with self.average.swapped_in(lambda: self.strategy.settle(self.module)):
+                averaged = run()
+            self.last_evaluation.update({f"ema_eval_{k}": v for k, v in averaged.items() if k != "samples"})
         return dict(self.last_evaluation)
 
     def _save(self, last: bool = False) -> None:
@@ -515,6 +534,14 @@ class Trainer:
                 self.uploads.add_file("model.pt")
                 if described:
                     self.uploads.add_file(HF_MODEL)
+        if self.average is not None:  # ema/model.pt: the average, whole, as model.pt holds the weights
+            with self.average.swapped_in(lambda: self.strategy.settle(self.module)):
+                averaged = self.strategy.full_model_state(self.module)  # (ddp: the parameters themselves)
+                if averaged is not None:
+                    (self.run_dir / EMA_DIR).mkdir(exist_ok=True)
+                    atomic_save(averaged, self.run_dir / EMA_DIR / "model.pt")
+                    if self.uploads is not None:
+                        self.uploads.add_file(f"{EMA_DIR}/model.pt")
         with self.watchdog.waiting("the end: waiting for model.pt"):
             dist.barrier()  # model.pt is complete before any rank reports success
         self.reporter.finish()

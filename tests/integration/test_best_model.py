@@ -40,8 +40,10 @@ def test_the_kept_best_is_the_lowest_evaluation_and_its_snapshot(two_ranks):
     snapshot = torch.load(two_ranks / "snapshots" / f"step-{step:09d}.pt", weights_only=True)
     assert_same_weights(torch.load(two_ranks / "best" / "model.pt", weights_only=True), snapshot["model"], exact=True)
     # stopped by --early-stop, long before --max-epochs, at an evaluation
-    last_step = read_metrics(two_ranks)[-1]["step"]
+    last = read_metrics(two_ranks)[-1]
+    last_step = last["step"]
     assert last_step < 10 * 23 and evaluations[-1][0] == last_step
+    assert last.get("ended_by") == ("--early-stop" if last_step % 23 else None), last  # inside an epoch: partial
     summary = ddptrain_cli("report", str(two_ranks))
     assert summary.returncode == 0 and re.search(rf"best_step +{step}\n", summary.stdout), summary.stdout
     assert f"ddptrain export {two_ranks} --best --format safetensors" in summary.stdout

@@ -33,11 +33,13 @@ from .clock import steady_rate
 from .jobs import JOBS, Job, final_loss
 
 # ddptrain-skip: ddptrain with --skip-nonfinite 1, the non-finite guard's per-step mode (a check and
-# a one-element all-reduce every step); ddptrain's default guard costs no per-step work. It runs on
+# a one-element all-reduce every step); ddptrain's default guard costs no per-step work.
+# ddptrain-ema: ddptrain with --ema 0.999 (a fused lerp over the weights every step). Both run on
 # the small jobs, where a per-step cost shows.
-BASE = ("loop", "ddptrain", "ddptrain-skip")
+BASE = ("loop", "ddptrain", "ddptrain-skip", "ddptrain-ema")
 PEERS = ("lightning", "accelerate")
-SKIP_JOBS = ("tutorial", "mlp")
+PER_STEP = {"ddptrain-skip": ["--skip-nonfinite", "1"], "ddptrain-ema": ["--ema", "0.999"]}
+SKIP_JOBS = ("tutorial", "mlp")  # the jobs the per-step variants run on
 DEFAULT_EPOCHS = {"tutorial": 60, "mlp": 3, "gpt2": 10, "fsdp": 2}  # E: the longer command's extra epochs
 
 
@@ -47,7 +49,7 @@ def command(contender: str, job: Job, nproc: int, epochs: int, out: str) -> list
         return [python, "-m", "ddptrain", "train", "--task", "ddptrain.bench.jobs:bench_task", "--nproc", str(nproc),
                 "--max-epochs", str(epochs), "--batch-size", str(job.batch), "--run-dir", out, "--resume", "never",
                 "--no-progress", *(["--strategy", "fsdp"] if job.sharded else []),
-                *(["--skip-nonfinite", "1"] if contender == "ddptrain-skip" else [])]
+                *PER_STEP.get(contender, [])]
     loop = ["-m", "ddptrain.bench.loops", "--loop", contender, "--job", job.name, "--epochs", str(epochs), "--out", out]
     if contender == "accelerate":  # Accelerate's multi-process CPU runs are torchrun's (it sets the world size)
         return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *loop]
@@ -79,7 +81,7 @@ def run_once(contender: str, job: Job, nproc: int, epochs: int, env: dict[str, s
 
 
 def contenders_of(job: str, contenders: list[str]) -> list[str]:
-    return [c for c in contenders if c != "ddptrain-skip" or job in SKIP_JOBS]
+    return [c for c in contenders if c not in PER_STEP or job in SKIP_JOBS]
 
 
 def measure(contenders: list[str], jobs: list[str], nproc: int, reps: int, epochs: dict[str, int],
@@ -174,7 +176,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             rates = ", ".join(f"{r['contender']} {r['steady_samples_per_s'] * tokens / 1000:,.1f}k"
                               for r in rows if r["job"] == job)
             lines.append(f"{job}: steady tokens/s ({tokens} per sample): {rates}")
-    lines.append("ddptrain-skip: ddptrain with --skip-nonfinite 1 (a finiteness check and agreement every step)")
+    lines.append("ddptrain-skip: ddptrain with --skip-nonfinite 1 (a finiteness check and agreement every step); "
+                 "ddptrain-ema: ddptrain with --ema 0.999 (the weights' average updated every step)")
     return "\n".join(lines)
 
 
@@ -235,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                         "per job (default: " + ",".join(f"{k}={v}" for k, v in DEFAULT_EPOCHS.items()) + ")")
     parser.add_argument("--peers", action="store_true", help="add Lightning and Accelerate rows (pip install "
                         "'ddptrain[bench]')")
-    parser.add_argument("--contenders", default=None, help="comma-separated subset of loop, ddptrain, ddptrain-skip "
-                        "(and lightning, accelerate with --peers); default: all")
+    parser.add_argument("--contenders", default=None, help="comma-separated subset of loop, ddptrain, "
+                        "ddptrain-skip, ddptrain-ema (and lightning, accelerate with --peers); default: all")
     parser.add_argument("--smoke", action="store_true", help="tiny data, 1-epoch commands only: checks the plumbing")
     parser.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png")
     parser.add_argument("--floor", action="store_true", help="instead: the start-up floor of a CPU job here (import "

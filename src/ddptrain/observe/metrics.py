@@ -133,8 +133,9 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def model_state_mb(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> float:
-    """Parameters, gradients and optimizer state held by this rank (its shards under fsdp)."""
+def model_state_mb(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, extra_bytes: int = 0) -> float:
+    """Parameters, gradients and optimizer state held by this rank (its shards under fsdp), and
+    ``extra_bytes`` (--ema's average)."""
     def local_bytes(t: Any) -> int:
         if not isinstance(t, torch.Tensor):
             return 0
@@ -143,7 +144,7 @@ def model_state_mb(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimi
 
     held = sum(local_bytes(p) + local_bytes(p.grad) for p in params)
     held += sum(local_bytes(v) for state in optimizer.state.values() for v in state.values())
-    return held / 2**20
+    return (held + extra_bytes) / 2**20
 
 
 def memory_record(per_rank: list[list[float]]) -> dict[str, Any]:

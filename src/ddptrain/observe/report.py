@@ -168,14 +168,17 @@ class NullReporter(Reporter):
         pass
 
 
+EVALUATED = ("eval_", "ema_eval_")  # an evaluation's figures: of the weights, and of --ema's average
+
+
 def console_line(record: dict[str, Any]) -> str:
     """``epoch 3 | step 128 | train_loss 1.962 | lr 0.001 | 13,930 samples/s | 0.15 s``."""
     first = "before training" if record.get("kind") == "eval" and not record["step"] else f"epoch {record['epoch']}"
     if record.get("partial"):
-        first += " (partial: --max-steps)"
+        first += f" (partial: {record.get('ended_by', '--max-steps')})"
     parts = [first, f"step {record['step']}"]
     for key, value in record.items():
-        if key == "train_loss" or key == "lr" or (key.startswith("eval_") and key != "eval_samples"):
+        if key == "train_loss" or key == "lr" or (key.startswith(EVALUATED) and not key.endswith("eval_samples")):
             parts.append(f"{key} {_fmt(value)}")
     if record.get("samples_per_s"):
         parts.append(f"{record['samples_per_s']:,.0f} samples/s")
@@ -205,10 +208,10 @@ def plot_curves(run_dir: Path) -> str | None:
     records = [r for r in read_metrics(run_dir) if r.get("kind") == "epoch"]
     if not records:
         return "curves.png not drawn: no epoch finished"
-    panels = [("loss", ["train_loss", "eval_loss"])]
+    panels = [("loss", ["train_loss", "eval_loss", "ema_eval_loss"])]
     extra = sorted({k for r in records for k in r if k.startswith("eval_") and k != "eval_loss"
                     and k != "eval_samples"})
-    panels += [(k.removeprefix("eval_"), [k]) for k in extra]
+    panels += [(k.removeprefix("eval_"), [k, f"ema_{k}"]) for k in extra]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
     for ax, (title, keys) in zip(axes[0], panels):
         for key in keys:
@@ -243,7 +246,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         summary["train_loss"] = epochs[-1]["train_loss"]
     evaluated = [r for r in records if any(k.startswith("eval_") for k in r)]
     if evaluated:
-        summary.update({k: v for k, v in evaluated[-1].items() if k.startswith("eval_")})
+        summary.update({k: v for k, v in evaluated[-1].items() if k.startswith(EVALUATED)})
     best = Path(run_dir) / "best" / "best.json"  # --keep-best (snapshots/best.py)
     if best.is_file():
         kept = json.loads(best.read_text())

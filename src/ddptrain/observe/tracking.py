@@ -32,7 +32,7 @@ from ..errors import ConfigError
 
 STATE_FILE = "trackers.json"
 # Record fields that place a record rather than measure anything.
-PLACES = ("kind", "step", "time", "partial", "first_step_at")
+PLACES = ("kind", "step", "time", "partial", "ended_by", "first_step_at")
 
 
 class Tracker:

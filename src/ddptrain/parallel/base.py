@@ -24,6 +24,7 @@ from ..comm import DistContext
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..tasks.protocol import Task
+from .averaging import WeightAverage
 from .precision import autocast_dtype
 
 
@@ -140,6 +141,9 @@ class Strategy:
                     for buffer, value in zip(buffers, _unflatten_dense_tensors(flat, buffers)):
                         buffer.copy_(value)
 
+    def settle(self, module: torch.nn.Module) -> None:
+        """Drop whatever the strategy gathered from the parameters (before they are swapped)."""
+
     def eval_model(self, module: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
         """Evaluation runs the unwrapped module (no DDP hooks; sharded under fsdp, whose forward
         all-gathers, so every rank runs the same number of batches)."""
@@ -169,14 +173,18 @@ class Strategy:
 
 
 class ModelAndOptimizer:
-    """The snapshot's ``model`` and ``optimizer`` through a strategy: whole tensors or this
-    rank's shards (what snapshots/checkpointer.Checkpointer calls ``weights``)."""
+    """The snapshot's ``model``, ``optimizer`` and (--ema) ``ema`` through a strategy: whole
+    tensors or this rank's shards (what snapshots/checkpointer.Checkpointer calls ``weights``)."""
 
-    def __init__(self, strategy: Strategy, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.strategy, self.module, self.optimizer = strategy, module, optimizer
+    def __init__(self, strategy: Strategy, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 average: WeightAverage | None = None) -> None:
+        self.strategy, self.module, self.optimizer, self.average = strategy, module, optimizer, average
 
     def state_dict(self) -> dict[str, Any]:
-        return self.strategy.state(self.module, self.optimizer)
+        state = self.strategy.state(self.module, self.optimizer)
+        return {**state, "ema": self.average.state_dict()} if self.average is not None else state
 
     def load_state_dict(self, state: dict[str, Any], whole: bool = True) -> None:
         self.strategy.load_state(self.module, self.optimizer, state, whole)
+        if self.average is not None:
+            self.average.load_state_dict(state.get("ema"), whole)

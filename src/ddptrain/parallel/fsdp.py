@@ -65,6 +65,13 @@ class FSDPStrategy(Strategy):
         fully_shard(module, reshard_after_forward=None, mp_policy=policy)
         return torch.compile(module) if self.cfg.compile else module  # type: ignore[return-value]  # compile's stub says callable; a module's is one
 
+    def settle(self, module: torch.nn.Module) -> None:
+        """The root keeps its gathered parameters after a forward without a backward (an
+        evaluation): they would outlive a swap of the parameters (--ema), so they go."""
+        for part in module.modules():
+            if isinstance(part, FSDPModule):
+                part.reshard()
+
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
         """Accumulation micro-batches before the last: no reduce-scatter of gradients."""

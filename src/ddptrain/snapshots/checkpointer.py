@@ -166,7 +166,7 @@ class Checkpointer:
                 "fingerprint": self.cfg.math_fingerprint(self.ctx.world_size), "rng": rng_states, **by_rank}
         if self.sharded:
             state = self.state_dict()
-            shards = {"model": state.pop("model"), "optimizer": state.pop("optimizer")}
+            shards = {part: state.pop(part) for part in ("model", "optimizer", "ema") if part in state}
             extra = {**meta, **files.cpu_copy(state, copy=not last)} if self.ctx.is_main else None
             self.writer.submit(shards, extra, self.dir, global_step, self.cfg.keep, last=last)
         elif self.writer is not None:

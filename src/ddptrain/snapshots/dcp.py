@@ -131,5 +131,11 @@ def saved_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
             if key.startswith("model.")}
 
 
+def holds(folder: Path, part: str) -> bool:
+    """Whether a DCP folder holds ``part`` (``ema``: written by a run with --ema)."""
+    metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    return any(key.startswith(f"{part}.") for key in metadata)
+
+
 def whole_shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     return {key: tuple(value.shape) for key, value in state.items()}

@@ -119,16 +119,17 @@ def disk_full(path: Path, needed: int) -> DiskFull:
                     "command to resume")
 
 
-def snapshot_estimate(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def snapshot_estimate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, averaged: bool = False) -> int:
     """About the bytes of one snapshot, before the optimizer has any state: the weights, plus the
-    optimizer's per-parameter tensors (Adam-like: two; SGD: its momentum, if any)."""
+    optimizer's per-parameter tensors (Adam-like: two; SGD: its momentum, if any), plus the
+    weights' average (``averaged``: --ema)."""
     weights = state_bytes(dict(model.state_dict()))
     name = type(optimizer).__name__
     if name == "SGD":
         slots = 1 if any(group.get("momentum", 0) for group in optimizer.param_groups) else 0
     else:
         slots = 2
-    return weights * (1 + slots)
+    return weights * (1 + slots + averaged)
 
 
 def space_warning(run_dir: Path, snapshot: int, keep: int) -> str | None:

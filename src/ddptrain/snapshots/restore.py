@@ -38,7 +38,7 @@ from . import files
 from .uploads import mirror_is_ahead, sync_up
 
 LEFTOVERS = ("snapshots", "metrics.jsonl", "model.pt", "config.json", "curves.png", "tensorboard", "trackers.json",
-             "metrics.csv", "wandb", "hf_model.json", "best")
+             "metrics.csv", "wandb", "hf_model.json", "best", "ema")
 
 
 @dataclass
@@ -53,9 +53,11 @@ class Snapshot:
 
 
 def restore_point(cfg: RunConfig, ctx: DistContext, run_dir: Path, module: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer, strategy: Any, marks: CollectiveMarks,
+                  templates: Callable[[], dict[str, Any]], marks: CollectiveMarks,
                   remote: RemoteDir | None = None) -> Snapshot | None:
     """Collective: the snapshot every rank resumes from, checked on every rank, or None.
+    ``templates()``: this run's own state dicts of the weights (model, optimizer, ema), which
+    a DCP snapshot is loaded into;
     ``remote``: the run dir on a store, of which ``run_dir`` is this machine's mirror."""
     chosen: Snapshot | None = None
     choice: Any = None
@@ -79,7 +81,10 @@ def restore_point(cfg: RunConfig, ctx: DistContext, run_dir: Path, module: torch
     current = snapshot_dcp.whole_shapes(cast(dict[str, torch.Tensor], get_model_state_dict(module)))
     if path.is_dir():
         files.check_model_matches(current, snapshot_dcp.saved_shapes(path), path)
-        snapshot.state.update(snapshot_dcp.load_shards(path, strategy.state(module, optimizer)))
+        shards = templates()
+        if "ema" in shards and not snapshot_dcp.holds(path, "ema"):  # written without --ema
+            del shards["ema"]
+        snapshot.state.update(snapshot_dcp.load_shards(path, shards))
         snapshot.whole = False
     else:
         files.check_model_matches(current, snapshot_dcp.whole_shapes(snapshot.state["model"]), path)
