@@ -5,6 +5,13 @@ evaluates batches r, r+W, ... (no padding, no duplicates), each batch's sums go 
 row of a table, and one all-reduce assembles the table (every row has exactly one non-zero
 contributor, and x + 0 is exact). Adding the rows in batch order then gives bitwise the
 figures of a single-process evaluation.
+
+A metric object in ``Task.metrics`` (torchmetrics' ``Metric``, or anything with its
+``update`` / ``compute`` / ``reset``) is reset before each evaluation, updated with every
+counted batch's ``(output, target)`` (never a padding batch), and computed once at the end,
+where the object synchronises its own state over the ranks (torchmetrics gathers it from
+every rank of the default group): figures such as F1 or AUROC, which are no sums, come out
+of exactly the evaluation set on every world size.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch.distributed as dist
 from ..comm import CollectiveMarks, broadcast_object
 from ..data import EvalBatches
 from ..errors import ConfigError
-from ..tasks.protocol import Task, check_pair
+from ..tasks.protocol import Task, check_pair, is_metric_object
 
 NO_MARKS = CollectiveMarks()
 
@@ -32,13 +39,17 @@ def evaluate(model: torch.nn.Module, batches: EvalBatches, task: Task, autocast:
     ``forward_syncs``: the model's forward holds a collective (sharded): marked for the
     watchdog, and the model's forward pre-hook marks its end (see Trainer)."""
     rows: dict[int, dict[str, torch.Tensor]] = {}
+    objects = metric_objects(task)
+    for metric in objects.values():
+        metric.reset()
+        metric.to(batches.device)
     was_training = model.training
     model.eval()
     for batch_no, batch in batches:
         if forward_syncs:  # ends in the model's forward pre-hook (see Trainer)
             watchdog.arrive("an evaluation forward (FSDP's parameter all-gather)")
         with autocast or contextlib.nullcontext():
-            sums = _batch_sums(model, batch, task)
+            sums = _batch_sums(model, batch, task, counted=batch_no >= 0)
         if batch_no >= 0:  # -1: a padding batch (data.EvalBatches), run but not counted
             rows[batch_no] = sums
     model.train(was_training)
@@ -54,11 +65,29 @@ def evaluate(model: torch.nn.Module, batches: EvalBatches, task: Task, autocast:
     totals = table.cpu().sum(dim=0).tolist()  # rows added in batch order on every rank
     samples = totals[-1]
     result = {name: total / samples for name, total in zip(names, totals)}
+    if objects:
+        with watchdog.waiting("evaluation: the metric objects' sync over the ranks"):
+            result.update({name: _one_figure(name, metric.compute()) for name, metric in objects.items()})
     result["samples"] = int(samples)
     return result
 
 
-def _batch_sums(model: torch.nn.Module, batch: Any, task: Task) -> dict[str, Any]:
+def metric_objects(task: Task) -> dict[str, Any]:
+    """``Task.metrics``' metric objects (torchmetrics' Metric, or anything with its update /
+    compute / reset and ``to``), in the same order on every rank."""
+    return {name: metric for name, metric in task.metrics.items() if is_metric_object(metric)}
+
+
+def _one_figure(name: str, value: Any) -> float:
+    tensor = torch.as_tensor(value)
+    if tensor.numel() != 1:
+        raise ConfigError(f"Task.metrics[{name!r}] computes {tensor.numel()} values; ddptrain logs one number "
+                          "per figure: make it one (torchmetrics: average='macro', say)")
+    return float(tensor)
+
+
+def _batch_sums(model: torch.nn.Module, batch: Any, task: Task, counted: bool = True) -> dict[str, Any]:
+    """The batch's sums; ``counted`` (not a padding batch): the metric objects take it too."""
     if task.eval_fn is not None:
         sums = task.eval_fn(model, batch)
         if not isinstance(sums, Mapping) or "samples" not in sums:
@@ -70,14 +99,17 @@ def _batch_sums(model: torch.nn.Module, batch: Any, task: Task) -> dict[str, Any
     output = model(inputs)
     count = target.shape[0]
     sums = {"loss": task.loss_fn(output, target).double() * count}  # type: ignore[misc]  # loss_fn is set when step_fn is not (check_task)
-    sums.update({name: fn(output, target) for name, fn in task.metrics.items()})
+    objects = metric_objects(task)
+    sums.update({name: fn(output, target) for name, fn in task.metrics.items() if name not in objects})
+    for metric in objects.values() if counted else ():
+        metric.update(output, target)
     sums["samples"] = count
     return sums
 
 
 def _column_names(rows: dict[int, dict[str, Any]], task: Task, world_size: int) -> list[str]:
     if task.eval_fn is None:
-        return ["loss", *task.metrics]
+        return ["loss", *[name for name in task.metrics if name not in metric_objects(task)]]
     # eval_fn names its own figures; rank 0 always holds batch 0, and every rank's table
     # must have the same columns, so rank 0's names are the job's.
     names = sorted(k for k in rows.get(0, {}) if k != "samples")

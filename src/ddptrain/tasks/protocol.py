@@ -14,7 +14,9 @@ from ..errors import ConfigError
 # Tutorial-shaped batches ``(inputs, target)``: the loss of one batch, and metrics that each
 # return the *sum* of a per-sample figure over the batch (e.g. the number of correct
 # predictions). ddptrain adds the sums of every rank and divides by the number of samples,
-# so distributed evaluation equals single-process evaluation.
+# so distributed evaluation equals single-process evaluation. A metric may also be a metric
+# object (torchmetrics' Metric: update / compute / reset), computed over the whole set
+# (observe/evaluation.py).
 LossFn = Callable[[Any, Any], torch.Tensor]
 MetricFn = Callable[[Any, Any], torch.Tensor]
 # Batches of any structure: the scalar loss of one batch (called inside autocast), and the
@@ -51,6 +53,11 @@ class Task:
 TaskFactory = Callable[[Any], Task]
 
 
+def is_metric_object(metric: Any) -> bool:
+    """A torchmetrics Metric, or anything with its update / compute / reset and ``to``."""
+    return all(callable(getattr(metric, method, None)) for method in ("update", "compute", "reset", "to"))
+
+
 def check_task(task: Any, name: str) -> None:
     """ConfigError (one line, naming the field) for a Task that cannot be trained."""
     if not isinstance(task, Task):
@@ -64,6 +71,9 @@ def check_task(task: Any, name: str) -> None:
     if task.step_fn is not None and task.metrics:
         raise ConfigError(f"--task {name}: Task.metrics works with loss_fn only; with step_fn, "
                           "report figures from eval_fn(model, batch)")
+    if task.eval_fn is not None and any(is_metric_object(m) for m in task.metrics.values()):
+        raise ConfigError(f"--task {name}: Task.metrics' metric objects take (model output, target) batches, which "
+                          "eval_fn replaces; drop eval_fn, or report the figure's sums from eval_fn")
     for name_, value in (("collate_fn", task.collate_fn), ("step_fn", task.step_fn),
                          ("eval_fn", task.eval_fn), ("loss_fn", task.loss_fn), ("blocks", task.blocks)):
         if value is not None and not callable(value):
