@@ -2,11 +2,14 @@
 under ddp and fsdp; strict by default (one line, exit 2), --init-from-partial names the rest."""
 
 import json
+import sys
 
 import pytest
 import torch
 
-from helpers.commands import assert_same_weights, ddptrain_cli, fit, load_model
+from ddptrain import RunConfig
+from ddptrain.tasks import build
+from helpers.commands import REPO, assert_same_weights, ddptrain_cli, fit, load_model
 
 pytestmark = pytest.mark.slow
 
@@ -67,3 +70,17 @@ def test_other_weights_are_one_line_unless_partial(source, tmp_path, capfd):
     assert torch.equal(started["weight"], trained["weight"]) and not torch.equal(started["bias"], trained["bias"])
     out = capfd.readouterr().out
     assert f"initialised from {tmp_path / 'part.pt'}: 1 tensor(s); left as built: ['bias']; ignored: ['extra']" in out
+
+
+def test_a_transformers_save_pretrained_folder_starts_the_examples_gpt2(tmp_path):
+    """A real Hugging Face folder (save_pretrained: safetensors, config.json, GPT-2's lm_head
+    tied to its embedding and so not saved twice), strict: every tensor of the model arrives."""
+    pytest.importorskip("transformers", reason="the hf extra (pip install 'ddptrain[hf]') is not installed")
+    sys.path.insert(0, str(REPO / "examples"))  # the ranks, forked from here, import the example too
+    import hf_causal_lm
+
+    pretrained = build(RunConfig(task="hf", seed=7), hf_causal_lm.gpt2_task).model
+    pretrained.save_pretrained(tmp_path / "gpt2")
+    fit("hf_causal_lm:gpt2_task", tmp_path / "tuned", max_epochs=0, init_from=str(tmp_path / "gpt2"))
+    started = load_model(tmp_path / "tuned")
+    assert_same_weights(started, pretrained.state_dict(), exact=True)
