@@ -2,6 +2,8 @@
 
 from ddptrain.tasks.digits import digits_task
 
+from ddptrain_test_tasks import killable
+
 
 def rooted_digits(cfg):
     """digits with one block, its middle layer: the first and last layers are the root's, which
@@ -10,3 +12,6 @@ def rooted_digits(cfg):
     task = digits_task(cfg)
     task.blocks = lambda model: [model[2]]
     return task
+
+
+kill_rooted_digits = killable(rooted_digits)

@@ -67,6 +67,17 @@ def test_killed_and_resumed_the_average_ends_bitwise(runs, tmp_path):
     assert_same_weights(load_model(tmp_path / "run"), load_model(runs / "ddp"), exact=True)
 
 
+def test_under_fsdp_killed_and_resumed_the_average_ends_bitwise(runs, tmp_path):
+    kill = {"KILL_RANK": "0", "KILL_STEP": "30", "KILL_MARKER": str(tmp_path / "killed")}
+    task = "sharding_tasks:kill_rooted_digits"
+    with pytest.raises(TrainingFailed):
+        fit(task, tmp_path / "run", env=kill, strategy="fsdp", save_every=7, **EMA)
+    fit(task, tmp_path / "run", env=kill, strategy="fsdp", save_every=7, **EMA)
+    assert (tmp_path / "killed").exists()
+    assert_same_weights(_average(tmp_path / "run"), _average(runs / "fsdp"), exact=True)
+    assert_same_weights(load_model(tmp_path / "run"), load_model(runs / "fsdp"), exact=True)
+
+
 def test_fsdp_shards_the_average_and_it_resumes_across_strategies(runs, tmp_path):
     (folder,) = files.list_snapshots(runs / "fsdp" / "snapshots")[-1:]
     assert snapshot_dcp.holds(folder, "ema") and snapshot_dcp.holds(folder, "model")

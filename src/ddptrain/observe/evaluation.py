@@ -8,7 +8,8 @@ figures of a single-process evaluation.
 
 A metric object in ``Task.metrics`` (torchmetrics' ``Metric``, or anything with its
 ``update`` / ``compute`` / ``reset``) is reset before each evaluation, updated with every
-counted batch's ``(output, target)`` (never a padding batch), and computed once at the end,
+counted batch, never a padding batch (with ``(output, target)`` by ddptrain, or as ``eval_fn``
+updates it: its ``update`` does nothing during a padding batch), and computed once at the end,
 where the object synchronises its own state over the ranks (torchmetrics gathers it from
 every rank of the default group): figures such as F1 or AUROC, which are no sums, come out
 of exactly the evaluation set on every world size.
@@ -17,7 +18,7 @@ of exactly the evaluation set on every world size.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -78,6 +79,27 @@ def metric_objects(task: Task) -> dict[str, Any]:
     return {name: metric for name, metric in task.metrics.items() if is_metric_object(metric)}
 
 
+@contextlib.contextmanager
+def _updates_suspended(objects: dict[str, Any]) -> Iterator[None]:
+    """A padding batch: eval_fn may update the metric objects, which take nothing from it
+    (their ``update`` does nothing meanwhile; torchmetrics' forward goes through it too)."""
+    own = {name: metric.__dict__.get("update") for name, metric in objects.items()}
+    for metric in objects.values():
+        metric.update = _ignore
+    try:
+        yield
+    finally:
+        for name, metric in objects.items():
+            if own[name] is None:  # the class's own method: uncovered again
+                del metric.update
+            else:
+                metric.update = own[name]
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 def _one_figure(name: str, value: Any) -> float:
     tensor = torch.as_tensor(value)
     if tensor.numel() != 1:
@@ -87,9 +109,11 @@ def _one_figure(name: str, value: Any) -> float:
 
 
 def _batch_sums(model: torch.nn.Module, batch: Any, task: Task, counted: bool = True) -> dict[str, Any]:
-    """The batch's sums; ``counted`` (not a padding batch): the metric objects take it too."""
+    """The batch's sums; ``counted`` (not a padding batch): the metric objects take it too
+    (from (output, target) here, or from eval_fn's own updates)."""
     if task.eval_fn is not None:
-        sums = task.eval_fn(model, batch)
+        with contextlib.nullcontext() if counted else _updates_suspended(metric_objects(task)):
+            sums = task.eval_fn(model, batch)
         if not isinstance(sums, Mapping) or "samples" not in sums:
             raise ConfigError("Task.eval_fn must return a dict of per-batch sums with the batch's sample "
                               "count under 'samples', e.g. {'loss': loss_sum, 'samples': n}")

@@ -68,12 +68,11 @@ def check_task(task: Any, name: str) -> None:
         which = "both loss_fn and step_fn" if task.loss_fn is not None else "neither loss_fn nor step_fn"
         raise ConfigError(f"--task {name}: Task has {which}; give exactly one "
                           "(loss_fn for (inputs, target) batches, step_fn(model, batch) for any other)")
-    if task.step_fn is not None and task.metrics:
-        raise ConfigError(f"--task {name}: Task.metrics works with loss_fn only; with step_fn, "
-                          "report figures from eval_fn(model, batch)")
-    if task.eval_fn is not None and any(is_metric_object(m) for m in task.metrics.values()):
-        raise ConfigError(f"--task {name}: Task.metrics' metric objects take (model output, target) batches, which "
-                          "eval_fn replaces; drop eval_fn, or report the figure's sums from eval_fn")
+    sums = [key for key, metric in task.metrics.items() if not is_metric_object(metric)]
+    if (task.step_fn is not None or task.eval_fn is not None) and sums:
+        raise ConfigError(f"--task {name}: Task.metrics[{sums[0]!r}] is a per-batch sum of (output, target), which "
+                          "eval_fn replaces; report it from eval_fn(model, batch), or make it a metric object "
+                          "(torchmetrics) that eval_fn updates")
     for name_, value in (("collate_fn", task.collate_fn), ("step_fn", task.step_fn),
                          ("eval_fn", task.eval_fn), ("loss_fn", task.loss_fn), ("blocks", task.blocks)):
         if value is not None and not callable(value):
