@@ -19,7 +19,7 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 import ddptrain
-from ddptrain.resilience.ray_train import POINTER
+from ddptrain.observe.ray_train import POINTER
 
 
 def train_worker(config: dict) -> None:

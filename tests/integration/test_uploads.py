@@ -102,6 +102,11 @@ def test_a_store_down_at_the_end_is_one_error_and_sync_up_uploads_it_later(s3_se
     (mirror / "best").mkdir()  # --keep-best's, written while the store was down
     torch.save({"w": torch.zeros(2)}, mirror / "best" / "model.pt")
     (mirror / "best" / "best.json").write_text('{"step": 7}\n')
+    # A request in flight when close() gave up may still land once the store answers (the
+    # ledger's sync checks the store first); here the process lives on, so its thread must end
+    # (its request failing against the cut store) before the store comes back, or the count races.
+    uploader.thread.join(timeout=60)
+    assert not uploader.thread.is_alive()
     through_proxy.restore()
     assert sync_up(RemoteDir(url), mirror, keep=2) == 5  # the snapshot, its manifest, model.pt, best/'s two
     fs = s3_server.filesystem()
