@@ -60,21 +60,37 @@ def fail_on_rank(cfg) -> Task:
 
 
 def killable(factory):
-    """``factory``, whose rank KILL_RANK SIGKILLs itself at its KILL_STEP-th loss, once (a
-    marker file KILL_MARKER says it happened); without KILL_RANK, just ``factory``."""
+    """``factory``, whose rank KILL_RANK SIGKILLs itself at its KILL_STEP-th loss (evaluation
+    batches count too), once (a marker file KILL_MARKER says it happened); without KILL_RANK, just
+    ``factory``. With KILL_ONCE_SAVED (a snapshots folder), the kill first waits until a snapshot
+    is committed there: the writer is a background thread, which a busy machine can hold back
+    past the kill, and a resume with nothing to resume is a fresh start, another scenario."""
     def build(cfg) -> Task:
         task = factory(cfg)
         if "KILL_RANK" not in os.environ:
             return task
         rank, step, marker = int(os.environ["KILL_RANK"]), int(os.environ["KILL_STEP"]), Path(os.environ["KILL_MARKER"])
+        saved_in = os.environ.get("KILL_ONCE_SAVED")
 
         def maybe_kill(n: int) -> None:
             if n == step and _rank() == rank and _first_attempt(marker):
+                if saved_in:
+                    _wait_for_a_snapshot(Path(saved_in))
                 marker.write_text("killed")
                 os.kill(os.getpid(), signal.SIGKILL)
         return _on_step(task, maybe_kill)
     build.__name__ = build.__qualname__ = f"killable_{factory.__name__}"
     return build
+
+
+def _wait_for_a_snapshot(folder: Path, timeout_s: float = 60.0) -> None:
+    from ddptrain.snapshots import files
+
+    deadline = time.monotonic() + timeout_s
+    while not (folder.is_dir() and files.list_snapshots(folder)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no snapshot committed in {folder} after {timeout_s:.0f} s")
+        time.sleep(0.02)
 
 
 kill_at_step = killable(regression_task)

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 def test_ray_workers_train_on_rays_group_and_a_killed_worker_resumes_bitwise(tmp_path):
     fit("regression", tmp_path / "local", max_epochs=3, save_every=32, momentum=0.9)  # the job under ddptrain
-    env = clean_env(KILL_RANK="1", KILL_STEP="40", KILL_MARKER=str(tmp_path / "killed"))
+    env = clean_env(KILL_RANK="1", KILL_STEP="40", KILL_MARKER=str(tmp_path / "killed"),
+                    KILL_ONCE_SAVED=str(tmp_path / "resumed" / "snapshots"))  # step 32's, or a fresh start
     env["PYTHONPATH"] += f":{REPO / 'examples'}"  # Ray's workers import the example's worker function
     result = run([sys.executable, str(TESTS / "helpers" / "ray_jobs.py"), str(tmp_path), str(tmp_path / "ray-storage"),
                   "resumed", "unshared", "in-ray-storage"], env=env, timeout=600)

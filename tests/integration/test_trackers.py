@@ -116,17 +116,19 @@ def _wandb_pairs(run_dir):
 
 @pytest.mark.parametrize("kill_step", [47, 62])
 def test_a_kill_at_any_moment_leaves_every_tracker_each_metric_and_step_once(mlflow_server, tmp_path, kill_step):
-    """mlflow, wandb (offline) and csv at once, digits for 4 epochs; rank 0 SIGKILLed right after
-    epoch 1's record is written (its 47th loss: the trackers' thread had not sent it, W&B had
-    not even started its run) or in the middle of epoch 2; the same command resumes from the
-    snapshot of step 46 (or 23, if the kill beat its writer). Each tracker then holds every
+    """mlflow, wandb (offline) and csv at once, digits for 4 epochs; rank 0 SIGKILLed at its 47th
+    loss (step 41: epoch 0's 23 steps and its 6 evaluation batches count; epoch 0's record may
+    still be on the trackers' thread, W&B may not have started its run) or at its 62nd (step 50,
+    early in epoch 2), once step 23's snapshot is on disk; the same command resumes from the
+    newest snapshot (step 46, or 23 if the kill beat its writer). Each tracker then holds every
     (metric, step) of metrics.jsonl once: the resumed run sent each what it lacked of the
     records before its snapshot."""
     from ddptrain.observe.tracking import metrics_of
 
     run_dir, experiment = tmp_path / "run", f"kill-{kill_step}"
     env = {"MLFLOW_TRACKING_URI": mlflow_server.uri, "MLFLOW_EXPERIMENT_NAME": experiment, "WANDB_MODE": "offline",
-           "KILL_RANK": "0", "KILL_STEP": str(kill_step), "KILL_MARKER": str(tmp_path / "killed")}
+           "KILL_RANK": "0", "KILL_STEP": str(kill_step), "KILL_MARKER": str(tmp_path / "killed"),
+           "KILL_ONCE_SAVED": str(run_dir / "snapshots")}
     args = {"max_epochs": 4, "tracker": "mlflow,wandb,csv", "save_every": 23}
     with pytest.raises(TrainingFailed):
         fit("ddptrain_test_tasks:kill_digits", run_dir, env=env, **args)
