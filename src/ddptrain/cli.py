@@ -83,6 +83,9 @@ def build_parser() -> OneLineParser:
                         help="the best evaluation's weights (best/model.pt of a run trained with --keep-best)")
     export.add_argument("--ema", action="store_true",
                         help="the weights' moving average at the end (ema/model.pt of a run trained with --ema)")
+    export.add_argument("--merge", action="store_true",
+                        help="--format hf of a LoRA (PEFT) run: the base model with the adapter merged in, "
+                        "instead of the adapter alone")
     export.add_argument("--out", required=True, help="the file (safetensors, torch) or folder (hf) to write")
     export.add_argument("--force", action="store_true", help="replace --out if it exists")
     commands.add_parser("bench", help="benchmark ddptrain against hand-written DDP loops and peers "
@@ -191,7 +194,7 @@ def export_command(args: argparse.Namespace) -> int:
     if len(kept) + (args.snapshot is not None) > 1:
         raise ConfigError("export: give one of --best, --ema and --snapshot N")
     print(export(run_dir, args.format, out, args.snapshot, args.force, shown=args.run_dir,
-                 kept=kept[0] if kept else None))
+                 kept=kept[0] if kept else None, merge=args.merge))
     return 0
 
 

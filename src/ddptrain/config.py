@@ -94,7 +94,12 @@ class RunConfig:
     workers: int = _opt("DataLoader worker processes per rank, for training and evaluation "
                         "(data sets that are not in-memory tensors)", default=0)
     strategy: str = _opt("ddp replicates the model on every rank; fsdp shards parameters, "
-                         "gradients and optimizer state (FSDP2)", choices=("ddp", "fsdp"), default="ddp")
+                         "gradients and optimizer state (FSDP2); hsdp shards inside each of --replicas "
+                         "groups and replicates across them (FSDP2 on a 2-D mesh)",
+                         choices=("ddp", "fsdp", "hsdp"), default="ddp")
+    replicas: int | None = _opt("hsdp: the number of replica groups (the ranks split into that many groups "
+                                "of consecutive ranks, each holding the whole model sharded over its ranks); "
+                                "default: one per node", default=None)
     reshard_after_forward: bool = _opt("fsdp: free gathered parameters after the forward pass "
                                        "(less memory, one more all-gather in backward)", default=True)
     activation_checkpointing: bool = _opt("recompute each block's activations in backward "
@@ -334,11 +339,16 @@ DDP_ONLY = {"comm_hook": "none", "static_graph": False, "bucket_cap_mb": None, "
 
 
 def _check_strategy_options(cfg: RunConfig) -> None:
-    if cfg.strategy != "fsdp":
+    if cfg.replicas is not None and cfg.strategy != "hsdp":
+        raise ConfigError(f"--replicas is the number of replica groups of --strategy hsdp; drop it, or add "
+                          f"--strategy hsdp (this run's is {cfg.strategy})")
+    if cfg.replicas is not None and cfg.replicas < 1:
+        raise ConfigError(f"--replicas must be at least 1, got {cfg.replicas}")
+    if cfg.strategy == "ddp":
         return
     used = [flag(name) for name, off in DDP_ONLY.items() if getattr(cfg, name) != off]
     if used:
-        raise ConfigError(f"{used[0]} is a DDP option and does nothing with --strategy fsdp; "
+        raise ConfigError(f"{used[0]} is a DDP option and does nothing with --strategy {cfg.strategy}; "
                           "drop it or use --strategy ddp")
 
 

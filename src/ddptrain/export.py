@@ -5,8 +5,10 @@ of global step N): a file snapshot's model, or an FSDP run's DCP folder, read wh
 process (DCP's own loader, no process group). They are written as
 
 - ``safetensors``: one ``.safetensors`` file (tied weights stored once per name, as copies);
-- ``hf``: a Hugging Face folder, ``save_pretrained`` of the task's model (the run's task
-  factory is called to rebuild it, the weights loaded into it), when it is a transformers model;
+- ``hf``: a Hugging Face folder, ``save_pretrained`` of the run's transformers model (rebuilt
+  from hf_model.json, or by the run's task factory for runs from before it, the weights loaded
+  into it). A PEFT (LoRA) model writes its adapter, which ``PeftModel.from_pretrained`` loads
+  onto the base model; ``--merge`` writes the base model with the adapter merged in instead;
 - ``torch``: a plain ``state_dict`` file, ``torch.load(..., weights_only=True)``.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +69,15 @@ def _steps(run_dir: Path) -> list[int]:
 
 
 def export(run_dir: Path, fmt: str, out: Path, snapshot: int | None = None, force: bool = False,
-           shown: str | None = None, kept: str | None = None) -> str:
+           shown: str | None = None, kept: str | None = None, merge: bool = False) -> str:
     """Write the run's weights as ``fmt`` to ``out`` (written aside, then moved in: an export cut
-    short leaves no part); the line to print. ``shown``: the run dir as the user named it."""
+    short leaves no part); the line to print. ``shown``: the run dir as the user named it.
+    ``merge``: a PEFT model's adapter merged into its base (``hf`` only)."""
     check_out(out, force)
+    if merge and fmt != "hf":
+        raise ConfigError("--merge merges a LoRA adapter into its base model for --format hf; add --format hf")
     weights = run_weights(run_dir, snapshot, kept)
-    model = _pretrained_model(run_dir, weights) if fmt == "hf" else None
+    model = _pretrained_model(run_dir, weights, merge) if fmt == "hf" else None
     aside = out.with_name(f".{out.name}.{os.getpid()}.export")
     try:
         if fmt == "safetensors":
@@ -98,7 +104,8 @@ def check_out(out: Path, force: bool) -> None:
     """An existing ``--out`` is replaced only with ``--force``; its folder must be writable."""
     if out.exists() and not force:
         raise ConfigError(f"--out {out} exists; pass --force to replace it, or choose another --out")
-    if out.is_dir() and not (out / "config.json").is_file() and any(out.iterdir()):
+    exported = any((out / name).is_file() for name in ("config.json", "adapter_config.json"))
+    if out.is_dir() and not exported and any(out.iterdir()):
         raise ConfigError(f"--out {out} is a folder that is not an export (no config.json); choose another --out")
     folder = out.parent
     try:
@@ -124,9 +131,10 @@ def _replace(aside: Path, out: Path) -> None:
         os.replace(aside, out)
 
 
-def _pretrained_model(run_dir: Path, weights: dict[str, torch.Tensor]) -> Any:
+def _pretrained_model(run_dir: Path, weights: dict[str, torch.Tensor], merge: bool = False) -> Any:
     """The run's transformers model with ``weights``: from hf_model.json (its class and config,
-    written beside model.pt) without the task, else by calling the run's task factory."""
+    written beside model.pt) without the task, else by calling the run's task factory. A PEFT
+    model comes back as is (its save_pretrained writes the adapter), or merged (``merge``)."""
     from .snapshots.files import HF_MODEL
 
     described = run_dir / HF_MODEL
@@ -136,10 +144,18 @@ def _pretrained_model(run_dir: Path, weights: dict[str, torch.Tensor]) -> Any:
         model = _from_task(run_dir)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    if unexpected or [k for k in missing if k not in tied]:
+    if unexpected or [k for k in missing if not _tied(k, tied)]:
         raise ConfigError(f"the run's weights do not fit the task's model (missing {sorted(missing)[:3]}, "
                           f"unexpected {sorted(unexpected)[:3]}); was the task's code changed since the run?")
-    return model
+    is_peft = hasattr(model, "merge_and_unload")
+    if merge and not is_peft:
+        raise ConfigError(f"--merge: {run_dir}'s model has no LoRA adapter to merge; drop --merge")
+    return model.merge_and_unload() if merge else model
+
+
+def _tied(key: str, tied: set[str]) -> bool:
+    """A weight that is the tie of another (GPT-2's lm_head), also inside a PEFT model's base."""
+    return key in tied or key.removeprefix("base_model.model.") in tied
 
 
 def _from_description(description: dict[str, Any]) -> Any:
@@ -151,8 +167,23 @@ def _from_description(description: dict[str, Any]) -> Any:
     if cls is None:
         raise ConfigError(f"--format hf: this transformers ({transformers.__version__}) has no "
                           f"{description['class']}; install the version the run trained with")
-    config = cls.config_class.from_dict(description["config"])
-    return cls(config)
+    model = cls(cls.config_class.from_dict(description["config"]))
+    return _with_adapters(model, description["peft"]) if "peft" in description else model
+
+
+def _with_adapters(model: Any, adapters: dict[str, dict[str, Any]]) -> Any:
+    """``model`` wrapped in the run's PEFT adapters (their configs as the run saved them)."""
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("--format hf: the run trained LoRA adapters (PEFT); pip install 'ddptrain[lora]'") from None
+    (name, first), *others = adapters.items()
+    with warnings.catch_warnings():  # PEFT asks transformers 5 a name it deprecated
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        wrapped = peft.get_peft_model(model, peft.get_peft_config(first), adapter_name=name)
+    for other, config in others:
+        wrapped.add_adapter(other, peft.get_peft_config(config))
+    return wrapped
 
 
 def _from_task(run_dir: Path) -> Any:

@@ -86,8 +86,9 @@ class Trainer:
             # Small control messages (stop flags, RNG states) travel on CPU: gloo even on NCCL jobs.
             self.cpu_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else None
         apply_step_timeout(cfg.timeout)
-        self.params = params = list(self.model.parameters())
-        self.optimizer = task.make_optimizer(params) if task.make_optimizer else build_optimizer(params, cfg)
+        self.params = list(self.model.parameters())
+        trained = [p for p in self.params if p.requires_grad]  # frozen ones (LoRA's base) need no optimizer state
+        self.optimizer = task.make_optimizer(trained) if task.make_optimizer else build_optimizer(trained, cfg)
         self.average = WeightAverage(self.module, cfg.ema, cfg.ema_every) if cfg.ema else None  # --ema
         self.weights = ModelAndOptimizer(self.strategy, self.module, self.optimizer, self.average)
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16" and self.device.type == "cuda")
@@ -112,7 +113,7 @@ class Trainer:
         self.progress = Progress(steps_per_epoch=self.steps_per_epoch)
         self.losses = EpochLosses(self.device, self.steps_per_epoch or 64, carries=ctx.is_main)
         self.grad_norms = GradNorms(self.device, self.steps_per_epoch or 64, carries=ctx.is_main,
-                                    counts=ctx.is_main or self.strategy.shards_gradients)
+                                    counts=self.strategy.counts_gradients)
         self.guard = NonFiniteGuard(cfg.skip_nonfinite)
         self.best = best_model(cfg, task.eval_set is not None)  # --keep-best / --early-stop
         self.cadence = self._cadence()  # what is due after each step
@@ -132,7 +133,7 @@ class Trainer:
             on_committed=self.ray.committed if self.ray.active else None)
         self.stop_signal = StopSignal(self.cpu_group, self.checkpointer.due_by_time if ctx.is_main else None,
                                       self.watchdog)
-        self.timings = RankTimings(params)
+        self.timings = RankTimings(self.params)
         self.flops = FlopCount()  # this rank's FLOPs per step, counted on the first step
         self.peak_tflops = cfg.peak_tflops or device_peak_tflops(self.device)
         self.profiler = StepProfiler(cfg.profile, self.run_dir, ctx.rank, self.device)
@@ -222,6 +223,10 @@ class Trainer:
         leaving the epoch. ``--max-steps`` or ``--early-stop`` may end the run inside an epoch:
         its record then says ``"partial": true``."""
         self.batches.set_epoch(epoch, start_step=self.progress.step_in_epoch)
+        # Training mode, whatever mode the factory left (from_pretrained returns eval mode: a
+        # LoRA model's base would train without dropout until the first evaluation switched it,
+        # and a resume would differ from the run it continues).
+        self.model.train()
         if self.cfg.log_ranks:  # the tutorial's per-rank line (Steps: optimizer steps)
             say(f"{self.ctx.tag} Epoch:{epoch}|Batchsize:{self.cfg.batch_size}|Steps:{self.steps_per_epoch or '?'}")
         self.reporter.epoch_started(epoch, self.steps_per_epoch, self.progress.step_in_epoch)

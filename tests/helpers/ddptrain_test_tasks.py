@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import torch
+from kills import _first_attempt, _on_step, _rank, killable
 from torch.nn import functional as F
 from torch.utils.data import Subset, TensorDataset
 
@@ -21,32 +22,6 @@ from ddptrain import Task
 from ddptrain.tasks import digits_task, regression_task
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
-
-
-def _rank() -> int:
-    return int(os.environ["RANK"])
-
-
-def _on_step(task: Task, on_step) -> Task:
-    """Call ``on_step(n)`` before the n-th loss this rank computes (n counts from 1)."""
-    calls = {"n": 0}
-
-    def counted(fn):
-        def wrapped(*args):
-            calls["n"] += 1
-            on_step(calls["n"])
-            return fn(*args)
-        return wrapped
-
-    if task.step_fn is not None:
-        task.step_fn = counted(task.step_fn)
-    else:
-        task.loss_fn = counted(task.loss_fn)
-    return task
-
-
-def _first_attempt(marker: Path) -> bool:
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not marker.exists()
 
 
 def fail_on_rank(cfg) -> Task:
@@ -57,40 +32,6 @@ def fail_on_rank(cfg) -> Task:
         if n == step and _rank() == rank:
             raise RuntimeError(f"deliberate failure on rank {rank} at step {step}")
     return _on_step(regression_task(cfg), maybe_fail)
-
-
-def killable(factory):
-    """``factory``, whose rank KILL_RANK SIGKILLs itself at its KILL_STEP-th loss (evaluation
-    batches count too), once (a marker file KILL_MARKER says it happened); without KILL_RANK, just
-    ``factory``. With KILL_ONCE_SAVED (a snapshots folder), the kill first waits until a snapshot
-    is committed there: the writer is a background thread, which a busy machine can hold back
-    past the kill, and a resume with nothing to resume is a fresh start, another scenario."""
-    def build(cfg) -> Task:
-        task = factory(cfg)
-        if "KILL_RANK" not in os.environ:
-            return task
-        rank, step, marker = int(os.environ["KILL_RANK"]), int(os.environ["KILL_STEP"]), Path(os.environ["KILL_MARKER"])
-        saved_in = os.environ.get("KILL_ONCE_SAVED")
-
-        def maybe_kill(n: int) -> None:
-            if n == step and _rank() == rank and _first_attempt(marker):
-                if saved_in:
-                    _wait_for_a_snapshot(Path(saved_in))
-                marker.write_text("killed")
-                os.kill(os.getpid(), signal.SIGKILL)
-        return _on_step(task, maybe_kill)
-    build.__name__ = build.__qualname__ = f"killable_{factory.__name__}"
-    return build
-
-
-def _wait_for_a_snapshot(folder: Path, timeout_s: float = 60.0) -> None:
-    from ddptrain.snapshots import files
-
-    deadline = time.monotonic() + timeout_s
-    while not (folder.is_dir() and files.list_snapshots(folder)):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no snapshot committed in {folder} after {timeout_s:.0f} s")
-        time.sleep(0.02)
 
 
 kill_at_step = killable(regression_task)
@@ -305,6 +246,19 @@ kill_cnn = killable(cnn)
 
 
 kill_digits = killable(digits_task)
+
+
+def left_in_eval_mode(cfg) -> Task:
+    """digits with its model left in eval mode by the factory (as from_pretrained leaves one);
+    each forward appends the mode it ran in to MODE_FILE."""
+    task = digits_task(cfg)
+    out = Path(os.environ["MODE_FILE"])
+
+    def note_mode(module: torch.nn.Module, _: tuple) -> None:
+        with open(out, "a") as handle:
+            handle.write("train\n" if module.training else "eval\n")
+    task.model.eval().register_forward_pre_hook(note_mode)
+    return task
 
 
 class _NormRecordingSGD(torch.optim.SGD):

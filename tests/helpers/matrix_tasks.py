@@ -16,6 +16,7 @@ import os
 import time
 
 import torch
+from kills import _on_step, killable
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
@@ -23,7 +24,7 @@ from ddptrain import Task
 from ddptrain.tasks.regression import regression_data
 
 from data_tasks import NumberStream, SquareShares, TinyLM, _next_token_loss, _stream_task
-from ddptrain_test_tasks import PlainDataset, _on_step, killable
+from ddptrain_test_tasks import PlainDataset
 
 SIZES = {"map_even": 256, "map_uneven": 250, "stream_even": 256, "stream_uneven": 240, "token_file": 256}
 SEQ_LEN = 16

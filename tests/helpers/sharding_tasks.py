@@ -1,8 +1,8 @@
 """Tasks whose FSDP wrapping differs from the default (Task.blocks)."""
 
-from ddptrain.tasks.digits import digits_task
+from kills import killable
 
-from ddptrain_test_tasks import killable
+from ddptrain.tasks.digits import digits_task
 
 
 def rooted_digits(cfg):

@@ -44,16 +44,17 @@ def test_bench_with_peers_prints_one_table_of_the_same_jobs(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_names_missing_peers_in_one_line(tmp_path):
+def test_bench_names_missing_peers_in_one_line_and_runs_the_per_step_variants(tmp_path):
     hide = "import sys; sys.modules['lightning'] = sys.modules['accelerate'] = None; from ddptrain.cli import main; "
     result = run([str(BIN / "python"), "-c", hide + "sys.exit(main(sys.argv[1:]))", "bench", "--smoke", "--peers",
-                  "--reps", "1", "--jobs", "tutorial", "--contenders", "ddptrain-skip", "--out", str(tmp_path)],
-                 timeout=300)
+                  "--reps", "1", "--jobs", "tutorial", "--contenders", "loop-grad-norm,ddptrain-skip", "--out",
+                  str(tmp_path)], timeout=300)
     assert_ok(result)
     missing = [line for line in result.stdout.splitlines() if "not installed" in line]
     assert missing == ["ddptrain bench: lightning and accelerate not installed (pip install 'ddptrain[bench]'): "
                        "their rows are left out"]
-    assert [r[1] for r in _table(result.stdout)] == ["ddptrain-skip"]
+    assert sorted(r[1] for r in _table(result.stdout)) == ["ddptrain-skip", "loop-grad-norm"]
+    assert "tutorial: every contender ended at the same loss: yes" in result.stdout
 
 
 @pytest.mark.slow

@@ -84,3 +84,70 @@ def test_a_transformers_save_pretrained_folder_starts_the_examples_gpt2(tmp_path
     fit("hf_causal_lm:gpt2_task", tmp_path / "tuned", max_epochs=0, init_from=str(tmp_path / "gpt2"))
     started = load_model(tmp_path / "tuned")
     assert_same_weights(started, pretrained.state_dict(), exact=True)
+
+
+def _anon_mb() -> float:
+    """This process's anonymous resident memory (RssAnon: what a full copy of the weights would
+    take; the pages of a memory-mapped file are RssFile, which the kernel can drop)."""
+    import re
+
+    status = open("/proc/self/status").read()
+    return int(re.search(r"RssAnon:\s+(\d+)", status).group(1)) / 1024
+
+
+def _peak_anon_growth_mb(work) -> float:
+    """The most RssAnon grew above its starting value while ``work()`` ran (sampled every ms)."""
+    import threading
+    import time
+
+    start, peak, done = _anon_mb(), [0.0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _anon_mb() - start)
+            time.sleep(0.001)
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        work()
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak[0], _anon_mb() - start)
+
+
+def _fsdp_load_growth(rank, world, path, materialised):
+    from torch.distributed.fsdp import fully_shard
+
+    from ddptrain.snapshots.init_from import load_into, read_weights
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048, bias=False) for _ in range(8)))  # 128 MB
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+
+    def load() -> None:
+        weights = torch.load(path, weights_only=True) if materialised else read_weights(str(path))
+        load_into(model, weights, str(path), partial=False)
+    growth = _peak_anon_growth_mb(load)
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}  # (after the measurement)
+    return growth, torch.equal(full["3.weight"], torch.load(path, weights_only=True)["3.weight"])
+
+
+def test_under_fsdp_a_rank_never_holds_a_whole_copy_of_the_weights_it_starts_from(tmp_path):
+    """Each rank of 2 keeps its half of a 128 MB model; --init-from reads the file memory-mapped
+    and each rank copies out its shard: its anonymous memory grows by about its shard (torch's
+    set_model_state_dict builds the new shards before it copies them in), never by the whole
+    model. The same measurement sees a whole copy where there is one (the control: the file
+    read into memory first)."""
+    from helpers.ranks import run_on_ranks
+
+    path = tmp_path / "model.pt"
+    torch.manual_seed(0)
+    torch.save({f"{i}.weight": torch.randn(2048, 2048) for i in range(8)}, path)
+    mapped = run_on_ranks(2, _fsdp_load_growth, path, False)
+    whole = run_on_ranks(2, _fsdp_load_growth, path, True)
+    assert all(loaded for _, loaded in mapped + whole)
+    # at most about the rank's shard (64 MB: torch builds the new shards, then copies them in)
+    assert all(growth < 96 for growth, _ in mapped), mapped
+    assert all(growth > 128 for growth, _ in whole), whole

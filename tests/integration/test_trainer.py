@@ -82,6 +82,15 @@ def test_each_epoch_ranks_see_disjoint_covering_shards(tmp_path):
     assert record("again") == ranks  # same seed, same order
 
 
+def test_a_model_left_in_eval_mode_trains_in_train_mode_and_evaluates_in_eval_mode(tmp_path):
+    """The tutorial's model.train(): from_pretrained returns a model in eval mode (no dropout)."""
+    modes = tmp_path / "modes"
+    fit(TASKS + "left_in_eval_mode", tmp_path / "run", env={"MODE_FILE": str(modes)}, nproc=1, max_epochs=1)
+    steps = read_metrics(tmp_path / "run")[0]["step"]
+    lines = modes.read_text().split()
+    assert lines[:steps] == ["train"] * steps and set(lines[steps:]) == {"eval"}, lines
+
+
 @pytest.mark.slow
 def test_grad_accumulation_equals_the_big_batch(tmp_path):
     fit("regression", tmp_path / "accum", batch_size=8, grad_accum=4, max_epochs=2)

@@ -51,6 +51,8 @@ def test_default_run_dir_is_stable_for_the_same_settings_and_distinct_for_others
     assert default_run_dir(base).startswith("runs/digits-")
     assert default_run_dir(base) != default_run_dir(RunConfig(task="digits", lr=0.02))
     assert default_run_dir(base) != default_run_dir(RunConfig(task="digits", lr=0.01, seed=1))
+    tuned = RunConfig(task="digits", lr=0.01, init_from="runs/pretrained")  # what it started from
+    assert len({default_run_dir(c) for c in (base, tuned, RunConfig(task="digits", lr=0.01, init_from="b.pt"))}) == 3
     # more epochs, another timeout or resume mode: the same run, continued
     same = RunConfig(task="digits", lr=0.01, max_epochs=50, timeout=10, resume="never", progress=True)
     assert default_run_dir(same) == default_run_dir(base)

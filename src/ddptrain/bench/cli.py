@@ -35,10 +35,13 @@ from .jobs import JOBS, Job, final_loss
 # ddptrain-skip: ddptrain with --skip-nonfinite 1, the non-finite guard's per-step mode (a check and
 # a one-element all-reduce every step); ddptrain's default guard costs no per-step work.
 # ddptrain-ema: ddptrain with --ema 0.999 (a fused lerp over the weights every step). Both run on
-# the small jobs, where a per-step cost shows.
-BASE = ("loop", "ddptrain", "ddptrain-skip", "ddptrain-ema")
+# the small jobs, where a per-step cost shows, as does loop-grad-norm: the hand-written loop plus
+# ddptrain's per-step gradient norm (its ratio to loop is what grad_norm costs; ddptrain has no off
+# switch for it).
+BASE = ("loop", "loop-grad-norm", "ddptrain", "ddptrain-skip", "ddptrain-ema")
 PEERS = ("lightning", "accelerate")
 PER_STEP = {"ddptrain-skip": ["--skip-nonfinite", "1"], "ddptrain-ema": ["--ema", "0.999"]}
+SMALL_ONLY = (*PER_STEP, "loop-grad-norm")  # the contenders that run on SKIP_JOBS only
 SKIP_JOBS = ("tutorial", "mlp")  # the jobs the per-step variants run on
 DEFAULT_EPOCHS = {"tutorial": 60, "mlp": 3, "gpt2": 10, "fsdp": 2}  # E: the longer command's extra epochs
 
@@ -81,7 +84,7 @@ def run_once(contender: str, job: Job, nproc: int, epochs: int, env: dict[str, s
 
 
 def contenders_of(job: str, contenders: list[str]) -> list[str]:
-    return [c for c in contenders if c not in PER_STEP or job in SKIP_JOBS]
+    return [c for c in contenders if c not in SMALL_ONLY or job in SKIP_JOBS]
 
 
 def measure(contenders: list[str], jobs: list[str], nproc: int, reps: int, epochs: dict[str, int],
@@ -177,7 +180,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                               for r in rows if r["job"] == job)
             lines.append(f"{job}: steady tokens/s ({tokens} per sample): {rates}")
     lines.append("ddptrain-skip: ddptrain with --skip-nonfinite 1 (a finiteness check and agreement every step); "
-                 "ddptrain-ema: ddptrain with --ema 0.999 (the weights' average updated every step)")
+                 "ddptrain-ema: ddptrain with --ema 0.999 (the weights' average updated every step); "
+                 "loop-grad-norm: the loop plus ddptrain's per-step gradient norm (what grad_norm costs)")
     return "\n".join(lines)
 
 
@@ -193,7 +197,7 @@ def draw_chart(rows: list[dict[str, Any]], path: Path) -> str | None:
     for column, job in enumerate(jobs):
         mine = [r for r in rows if r["job"] == job]
         names = [r["contender"] for r in mine]
-        colors = ["#e83" if n.startswith("ddptrain") else "#69c" if n == "loop" else "#999" for n in names]
+        colors = ["#e83" if n.startswith("ddptrain") else "#69c" if n.startswith("loop") else "#999" for n in names]
         for row, (key, label) in enumerate((("steady_samples_per_s", "steady samples/s (in-process)"),
                                             ("wall_1_epoch_s", "1-epoch command wall (s)"))):
             ax = axes[row][column]
@@ -238,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                         "per job (default: " + ",".join(f"{k}={v}" for k, v in DEFAULT_EPOCHS.items()) + ")")
     parser.add_argument("--peers", action="store_true", help="add Lightning and Accelerate rows (pip install "
                         "'ddptrain[bench]')")
-    parser.add_argument("--contenders", default=None, help="comma-separated subset of loop, ddptrain, "
-                        "ddptrain-skip, ddptrain-ema (and lightning, accelerate with --peers); default: all")
+    parser.add_argument("--contenders", default=None, help="comma-separated subset of loop, loop-grad-norm, "
+                        "ddptrain, ddptrain-skip, ddptrain-ema (and lightning, accelerate with --peers); default: all")
     parser.add_argument("--smoke", action="store_true", help="tiny data, 1-epoch commands only: checks the plumbing")
     parser.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png")
     parser.add_argument("--floor", action="store_true", help="instead: the start-up floor of a CPU job here (import "

@@ -4,6 +4,9 @@ the way each one's users launch it:
 - ``loop``: the tutorial's hand-written loop, corrected: DataLoader + DistributedSampler +
   DDP, started with ``mp.spawn``; on the ``fsdp`` job, FSDP2 written by hand (``fully_shard``
   on each block, then the root), as torchtitan does it.
+- ``loop-grad-norm``: that loop plus ddptrain's per-step gradient norm (observe/metrics.py's
+  GradNorms: one fused norm kernel into a slot on the device, no host sync), read once at the
+  end: its ratio to ``loop`` is what logging ``grad_norm`` costs a step.
 - ``lightning``: a LightningModule and ``Trainer(strategy="ddp")`` (Lightning starts the
   ranks); on the ``fsdp`` job, ``ModelParallelStrategy`` with ``fully_shard`` in
   ``configure_model`` (Lightning's FSDP2 path: its ``strategy="fsdp"`` refuses CPUs).
@@ -63,8 +66,10 @@ def _save(weights: dict[str, torch.Tensor], out: str) -> None:
 
 
 # --- the hand-written loop, with mp.spawn -----------------------------------------------------------
-def _loop_rank(rank: int, world: int, job_name: str, epochs: int, out: str) -> None:
+def _loop_rank(rank: int, world: int, job_name: str, epochs: int, out: str, grad_norm: bool = False) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ..observe.metrics import GradNorms
 
     job, tick = JOBS[job_name], clock()
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -76,13 +81,19 @@ def _loop_rank(rank: int, world: int, job_name: str, epochs: int, out: str) -> N
         model = DDP(model)
     optimizer = job.optimizer(model.parameters())
     sampler, loader = _sampler_and_loader(job, world, rank)
+    norms = GradNorms(torch.device("cpu"), len(loader), counts=job.sharded or rank == 0) if grad_norm else None
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         for batch in loader:
             optimizer.zero_grad(set_to_none=True)
             tick()
             job.loss(model, batch).backward()
+            if norms is not None:
+                norms.add([p.grad for p in model.parameters() if p.grad is not None])
             optimizer.step()
+        if norms is not None:  # the epoch's figure, as ddptrain's record has it (one host sync an epoch)
+            norms.figures(norms.local_squares())
+            norms.reset()
     weights = _whole_weights(model if job.sharded else cast(torch.nn.Module, model.module), job.sharded)
     if rank == 0:
         _save(weights, out)
@@ -90,13 +101,13 @@ def _loop_rank(rank: int, world: int, job_name: str, epochs: int, out: str) -> N
     dist.destroy_process_group()
 
 
-def run_loop(job: str, nproc: int, epochs: int, out: str) -> None:
+def run_loop(job: str, nproc: int, epochs: int, out: str, grad_norm: bool = False) -> None:
     import torch.multiprocessing as mp
 
     from ..comm import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    mp.spawn(_loop_rank, args=(nproc, job, epochs, out), nprocs=nproc)
+    mp.spawn(_loop_rank, args=(nproc, job, epochs, out, grad_norm), nprocs=nproc)
 
 
 # --- Lightning -------------------------------------------------------------------------------------
@@ -169,14 +180,14 @@ def run_accelerate(job_name: str, epochs: int, out: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--loop", choices=("loop", "lightning", "accelerate"), required=True)
+    parser.add_argument("--loop", choices=("loop", "loop-grad-norm", "lightning", "accelerate"), required=True)
     parser.add_argument("--job", choices=tuple(JOBS), required=True)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    if args.loop == "loop":
-        run_loop(args.job, args.nproc, args.epochs, args.out)
+    if args.loop in ("loop", "loop-grad-norm"):
+        run_loop(args.job, args.nproc, args.epochs, args.out, grad_norm=args.loop == "loop-grad-norm")
     elif args.loop == "lightning":
         run_lightning(args.job, args.nproc, args.epochs, args.out)
     else:

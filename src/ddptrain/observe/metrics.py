@@ -87,17 +87,18 @@ class GradNorms:
     def add(self, grads: list[torch.Tensor]) -> None:
         if self.count == len(self.slots):  # a stream's epoch, longer than guessed
             self.slots = torch.cat([self.slots, torch.zeros_like(self.slots)])
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        if self.counts and local:
-            # One kernel per dtype/device group, as clip_grad_norm_ does; then three small ops (each op
-            # costs ~10 us on a CPU: the tutorial's whole step is ~1 ms)
-            norms = torch._foreach_norm(local)
-            self.slots[self.count] = torch.stack([n.float() for n in norms]).square().sum()
+        if self.counts and grads:
+            local = [g.to_local() for g in grads] if hasattr(grads[0], "to_local") else grads  # type: ignore[attr-defined]  # fsdp's DTensors: their shards
+            # Three ops, each ~5-10 us on a CPU (the tutorial's whole step is ~0.4 ms): one fused norm
+            # per tensor (in the gradients' dtype: asked for float64, CPU kernels ran 1.5x the whole
+            # step of a 1M-parameter MLP), then their norm in float64, written into this step's slot.
+            norms = torch.stack(torch._foreach_norm(local))
+            torch.linalg.vector_norm(norms, dtype=torch.float64, out=self.slots[self.count])
         self.count += 1
 
     def local_squares(self) -> torch.Tensor:
         """This rank's squares, one per step since the epoch began (the same length on every rank)."""
-        return self.slots[:self.count]
+        return self.slots[:self.count].square()
 
     def figures(self, squares: torch.Tensor) -> dict[str, float]:
         """``squares`` summed over the ranks: ``grad_norm`` (mean) and ``grad_norm_max`` over the

@@ -99,10 +99,13 @@ class Strategy:
     """The base: a replicated model whose state every rank holds whole."""
 
     snapshot_format = "file"  # one file by rank 0; "dcp": a folder every rank writes its shards to
-    shards_gradients = False  # each rank holds a part of every gradient (fsdp), not the whole (ddp)
 
     def __init__(self, cfg: RunConfig, ctx: DistContext) -> None:
         self.cfg, self.ctx = cfg, ctx
+        # Whether this rank's gradients count in the gradient's norm: the ranks that do hold each
+        # element once (ddp: rank 0's whole gradients; fsdp: every rank's shards; hsdp: the
+        # shards of the first replica group).
+        self.counts_gradients = ctx.is_main
         self.forward_syncs = False  # whether the forward pass itself holds a collective
         self.shares_buffers = False  # the model has buffers and other ranks to share them with
         if cfg.lean_cpu_memory and ctx.device.type == "cpu":

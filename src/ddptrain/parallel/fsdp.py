@@ -20,11 +20,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..comm import DistContext
 from ..config import RunConfig
 from ..console import say
+from ..errors import ConfigError
 from ..tasks.protocol import Task
 from .base import Strategy, checkpoint_blocks, find_blocks, no_blocks_error
 from .precision import autocast_dtype
@@ -32,10 +34,10 @@ from .precision import autocast_dtype
 
 class FSDPStrategy(Strategy):
     snapshot_format = "dcp"
-    shards_gradients = True
 
     def __init__(self, cfg: RunConfig, ctx: DistContext) -> None:
         super().__init__(cfg, ctx)
+        self.counts_gradients = True  # each rank's shards: a part of every gradient no other rank holds
         self.forward_syncs = True  # every block's forward all-gathers its parameters
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -48,9 +50,9 @@ class FSDPStrategy(Strategy):
         self.shares_buffers = self.ctx.world_size > 1 and any(True for _ in module.buffers())
         blocks = find_blocks(module, task)
         if not blocks and self.ctx.is_main:  # the root alone: correct, but gathered whole in every forward
-            say("ddptrain: --strategy fsdp: the model has no ModuleList or Sequential with parameters, so it is "
-                "sharded as one unit (gathered whole for each forward); name its blocks with Task.blocks to "
-                "gather one at a time")
+            say(f"ddptrain: --strategy {self.cfg.strategy}: the model has no ModuleList or Sequential with "
+                "parameters, so it is sharded as one unit (gathered whole for each forward); name its blocks "
+                "with Task.blocks to gather one at a time")
         if self.cfg.activation_checkpointing:
             if not blocks:
                 raise no_blocks_error("--activation-checkpointing")
@@ -58,12 +60,17 @@ class FSDPStrategy(Strategy):
             blocks = find_blocks(module, task) if task.blocks is None else blocks
         dtype = autocast_dtype(self.cfg.precision)
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        mesh = self.mesh()
         for block in blocks:
-            fully_shard(block, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=policy)
+            fully_shard(block, mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=policy)
         # The root keeps its parameters gathered from forward to backward (torch's default for it:
         # the backward needs them at once); resharding it too cost an all-gather per micro-batch.
-        fully_shard(module, reshard_after_forward=None, mp_policy=policy)
+        fully_shard(module, mesh=mesh, reshard_after_forward=None, mp_policy=policy)
         return torch.compile(module) if self.cfg.compile else module  # type: ignore[return-value]  # compile's stub says callable; a module's is one
+
+    def mesh(self) -> DeviceMesh | None:
+        """fsdp: None, fully_shard's default (one dimension over every rank)."""
+        return None
 
     def settle(self, module: torch.nn.Module) -> None:
         """The root keeps its gathered parameters after a forward without a backward (an
@@ -99,3 +106,28 @@ class FSDPStrategy(Strategy):
         """model.pt: every rank helps gather the whole model; rank 0 receives it on CPU."""
         state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return cast(dict[str, torch.Tensor], state) if self.ctx.is_main else None
+
+
+class HSDPStrategy(FSDPStrategy):
+    """``--strategy hsdp``: R replica groups of W/R consecutive ranks; each group shards the model
+    over its ranks as fsdp does, and the groups hold the same shards. A gradient is
+    reduce-scattered inside a group, then all-reduced across the groups (FSDP2 on a 2-D mesh,
+    ``("replicate", "shard")``): the all-gathers stay inside a group (a node, by default), only
+    the gradients' shards cross between groups. Snapshots are DCP folders as for fsdp, of the
+    same global tensors: they resume under fsdp, ddp or another R."""
+
+    def __init__(self, cfg: RunConfig, ctx: DistContext) -> None:
+        super().__init__(cfg, ctx)
+        self.replicas = cfg.replicas or max(1, ctx.world_size // ctx.local_world_size)  # one per node
+        if ctx.world_size % self.replicas:
+            raise ConfigError(f"--replicas {self.replicas} does not divide the {ctx.world_size} ranks into equal "
+                              "groups; choose a divisor of the number of ranks")
+        self.group_size = ctx.world_size // self.replicas
+        self.counts_gradients = ctx.rank < self.group_size  # the first group's shards; the others repeat them
+
+    def mesh(self) -> DeviceMesh | None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.ctx.device.type, (self.replicas, self.group_size),
+                                mesh_dim_names=("replicate", "shard"))
+

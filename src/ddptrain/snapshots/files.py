@@ -161,13 +161,25 @@ HF_MODEL = "hf_model.json"  # what `export --format hf` rebuilds the model from,
 
 
 def hf_model_description(module: torch.nn.Module) -> dict[str, Any] | None:
-    """A transformers model's class and config (``save_pretrained``'s config.json), else None."""
+    """A transformers model's class and config (``save_pretrained``'s config.json), else None.
+    A PEFT model (LoRA): its base model's, and each adapter's config under ``peft``."""
+    peft_configs, get_base = getattr(module, "peft_config", None), getattr(module, "get_base_model", None)
+    if isinstance(peft_configs, dict) and callable(get_base):
+        base = hf_model_description(get_base())
+        if base is None:
+            return None
+        return {**base, "peft": {name: config.to_dict() for name, config in peft_configs.items()}}
     config = getattr(module, "config", None)
     # fully_shard gives the module a class of its own (FSDPGPT2LMHeadModel): the transformers one is its base
-    cls = next((c for c in type(module).__mro__ if c.__module__.startswith("transformers.")), None)
+    cls = next((c for c in type(module).__mro__ if c.__module__.startswith("transformers.models.")), None)
     if cls is None or not hasattr(config, "to_dict"):
         return None
     return {"class": cls.__name__, "config": config.to_dict()}  # type: ignore[union-attr]  # checked
+
+
+def _json_value(value: Any) -> Any:
+    """json's fallback: sets (PEFT's target_modules) as sorted lists, anything else as text."""
+    return sorted(value) if isinstance(value, (set, frozenset)) else str(value)
 
 
 def write_hf_model(module: torch.nn.Module, run_dir: Path) -> bool:
@@ -176,7 +188,7 @@ def write_hf_model(module: torch.nn.Module, run_dir: Path) -> bool:
     if description is None:
         return False
     tmp = run_dir / f".{HF_MODEL}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(description, default=str) + "\n")
+    tmp.write_text(json.dumps(description, default=_json_value) + "\n")
     os.replace(tmp, run_dir / HF_MODEL)
     return True
 
