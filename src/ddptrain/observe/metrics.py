@@ -88,11 +88,12 @@ class GradNorms:
         if self.count == len(self.slots):  # a stream's epoch, longer than guessed
             self.slots = torch.cat([self.slots, torch.zeros_like(self.slots)])
         if self.counts and grads:
-            local = [g.to_local() for g in grads] if hasattr(grads[0], "to_local") else grads  # type: ignore[attr-defined]  # fsdp's DTensors: their shards
+            if hasattr(grads[0], "to_local"):  # fsdp's DTensors: this rank's shards
+                grads = [g.to_local() for g in grads]  # type: ignore[attr-defined]
             # Three ops, each ~5-10 us on a CPU (the tutorial's whole step is ~0.4 ms): one fused norm
             # per tensor (in the gradients' dtype: asked for float64, CPU kernels ran 1.5x the whole
             # step of a 1M-parameter MLP), then their norm in float64, written into this step's slot.
-            norms = torch.stack(torch._foreach_norm(local))
+            norms = torch.stack(torch._foreach_norm(grads))
             torch.linalg.vector_norm(norms, dtype=torch.float64, out=self.slots[self.count])
         self.count += 1
 
