@@ -82,14 +82,14 @@ def test_an_hsdp_run_killed_and_resumed_ends_bitwise(runs, tmp_path):
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_an_hsdp_snapshot_resumes_under_another_strategy(runs, tmp_path, strategy):
-    """Step 10's hsdp snapshot, continued under fsdp or ddp: the run ends where theirs does
-    (allclose: the sums' order differs), and a ddp snapshot resumes under hsdp."""
+    """The hsdp run's snapshot of step 20 (of 24), continued under fsdp or ddp: the run ends
+    where theirs does (allclose: the sums' order differs), and a ddp snapshot resumes under hsdp."""
     for source, target, options in (("hsdp", strategy, {"strategy": strategy}), ("ddp", "hsdp", HSDP)):
         if source == "ddp" and strategy == "ddp":
             continue
         run_dir = tmp_path / f"{source}-as-{target}"
         shutil.copytree(runs / source, run_dir)
-        for path in files.list_snapshots(run_dir / "snapshots")[1:]:  # resume from step 10
+        for path in files.list_snapshots(run_dir / "snapshots")[1:]:  # (20 and 24 kept) resume from step 20
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         (run_dir / "model.pt").unlink()
         fit("digits", run_dir, **options, **ARGS)
