@@ -25,9 +25,10 @@ import os
 import warnings
 
 import torch
-from hf_causal_lm import ByteChunks, collate, evaluate, step
 
 import ddptrain
+
+from hf_causal_lm import ByteChunks, collate, evaluate, step
 
 # GPT-2's projections (Conv1D) in each block: attention's qkv (c_attn) and output (c_proj), the MLP's
 # (c_fc, and its own c_proj): 4 adapted layers a block

@@ -14,12 +14,13 @@ import time
 from pathlib import Path
 
 import torch
-from kills import _first_attempt, _on_step, _rank, killable
 from torch.nn import functional as F
 from torch.utils.data import Subset, TensorDataset
 
 from ddptrain import Task
 from ddptrain.tasks import digits_task, regression_task
+
+from kills import _first_attempt, _on_step, _rank, killable
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 

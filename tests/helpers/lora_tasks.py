@@ -6,10 +6,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from kills import killable
 from torch.utils.data import Subset
 
 from ddptrain import Task
+
+from kills import killable
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 

@@ -16,7 +16,6 @@ import os
 import time
 
 import torch
-from kills import _on_step, killable
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
@@ -25,6 +24,7 @@ from ddptrain.tasks.regression import regression_data
 
 from data_tasks import NumberStream, SquareShares, TinyLM, _next_token_loss, _stream_task
 from ddptrain_test_tasks import PlainDataset
+from kills import _on_step, killable
 
 SIZES = {"map_even": 256, "map_uneven": 250, "stream_even": 256, "stream_uneven": 240, "token_file": 256}
 SEQ_LEN = 16

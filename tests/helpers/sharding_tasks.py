@@ -1,8 +1,8 @@
 """Tasks whose FSDP wrapping differs from the default (Task.blocks)."""
 
-from kills import killable
-
 from ddptrain.tasks.digits import digits_task
+
+from kills import killable
 
 
 def rooted_digits(cfg):

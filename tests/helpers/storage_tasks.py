@@ -7,10 +7,10 @@ import os
 import signal
 from pathlib import Path
 
-from kills import _first_attempt, _rank
-
 from ddptrain import Task
 from ddptrain.tasks import regression_task
+
+from kills import _first_attempt, _rank
 
 
 def cut_before_manifest(cfg) -> Task:

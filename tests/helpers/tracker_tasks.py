@@ -10,10 +10,10 @@ import signal
 import time
 from pathlib import Path
 
-from kills import _first_attempt, _on_step, _rank
-
 from ddptrain import Task
 from ddptrain.tasks import regression_task
+
+from kills import _first_attempt, _on_step, _rank
 
 
 def _wait_until_tracked(run_dir: Path, tracker: str, step: int, timeout: float = 90) -> None:
