@@ -2,6 +2,7 @@
 hangs is named with its stack, a non-finite step is never saved."""
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,19 +15,27 @@ from ddptrain.tasks.regression import regression_data
 from helpers.commands import alive, assert_same_weights, clean_env, ddptrain_cli, fit, load_model, read_metrics
 
 TASKS = "ddptrain_test_tasks:"
+HELPERS = Path(__file__).parents[1] / "helpers"
 
 
 def _rank_pids(run_dir) -> list[int]:
     return [int(p.read_text()) for p in sorted((run_dir / "pids").glob("rank-*.pid"))]
 
 
+def _frame(module: str, function: str, code: str) -> str:
+    """How the failure report names a frame: FILE:LINE in FUNCTION: CODE (the line found in the source)."""
+    path = HELPERS / f"{module}.py"
+    line = next(n for n, text in enumerate(path.read_text().splitlines(), 1) if text.strip() == code)
+    return f"{module}.py:{line} in {function}: {code}"
+
+
 def _assert_names_rank_1(err: str) -> None:
     """A few lines: the rank, its step and its error; the user's frame; the full traceback's file."""
     lines = err.strip().splitlines()
     assert lines[0] == "ddptrain: rank 1 failed in step 3: RuntimeError: deliberate failure on rank 1 at step 3", err
-    assert lines[1].endswith('ddptrain_test_tasks.py:37 in wrapped: on_step(calls["n"])'), err  # the user's frames
-    assert lines[2].endswith("ddptrain_test_tasks.py:58 in maybe_fail: raise RuntimeError("
-                             'f"deliberate failure on rank {rank} at step {step}")'), err
+    assert lines[1].endswith(_frame("kills", "wrapped", 'on_step(calls["n"])')), err  # the user's frames
+    assert lines[2].endswith(_frame("ddptrain_test_tasks", "maybe_fail",
+                                    'raise RuntimeError(f"deliberate failure on rank {rank} at step {step}")')), err
     assert lines[3].startswith("ddptrain: rank 0 stopped "), err  # after rank 1 failed, or by the launcher
     assert len(lines) == 5 and "Traceback" not in err, err
     error_file = lines[-1].split("rank 1's full traceback: ", 1)[1]
