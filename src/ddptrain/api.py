@@ -12,10 +12,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
-from .config import RunConfig, make_run_dir, parse_nproc, validate
+from .config import RunConfig, parse_nproc, validate
 from .errors import ConfigError, Stopped, TrainingFailed  # noqa: F401 - ddptrain.api's names too
+from .run_dir import RunDir
 from .settings import from_options, read_settings_file, setting_name
-from .storage import check_location, local_dir, remote_of
 
 if TYPE_CHECKING:  # torch is imported only once the settings are known to be good
     from .launch.rank import Outcome
@@ -67,11 +67,9 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
     env = detect(local_rank_arg=local_rank_arg)
     env.validate()
     cfg = cfg.with_run_dir()
-    check_location(cfg.run_dir)  # the URL's shape and client: one line, before any request
-    remote = remote_of(cfg.run_dir)
-    if remote is not None:
-        remote.check()  # credentials and bucket: one line, before any rank starts
-    make_run_dir(str(local_dir(cfg.run_dir)))
+    home = RunDir.of(cfg.run_dir)
+    home.check()  # a store's URL, client, credentials and bucket: one line, before any rank starts
+    home.create()
     if cfg.resume not in ("auto", "never"):
         from .snapshots.restore import check_resume_path
         check_resume_path(cfg.resume)
@@ -91,7 +89,7 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
 
         say(line)
     node = env.node_rank  # the first node holds the run dir
-    hold = RunDirHold(local_dir(cfg.run_dir), new_job_id(), remote).acquire() if node == 0 else None
+    hold = RunDirHold(home, new_job_id()).acquire() if node == 0 else None
     try:
         return launch_local(cfg, nproc, device_kind, factory, env), node * nproc
     finally:
@@ -134,4 +132,4 @@ def summary_of(cfg: RunConfig) -> dict[str, Any]:
     """The finished run's summary (read from its metrics.jsonl)."""
     from .observe.report import summarize
 
-    return summarize(local_dir(cfg.with_run_dir().run_dir))
+    return summarize(RunDir.of(cfg.with_run_dir().run_dir).local)

@@ -117,7 +117,7 @@ def train(args: argparse.Namespace) -> int:
 
 def report(args: argparse.Namespace) -> int:
     from .observe.report import format_summary, plot_curves, summarize
-    from .storage import readable_copy
+    from .run_dir import RunDir
 
     if args.sync == "store":
         print(sync_store(args.run_dir))  # first: the report then reads what the store holds
@@ -125,7 +125,7 @@ def report(args: argparse.Namespace) -> int:
         from .observe.trackers import tracker_named
 
         tracker_named(args.sync)
-    run_dir = readable_copy(args.run_dir)  # a store's run: copied down beside its mirror
+    run_dir = RunDir.of(args.run_dir).readable()  # a store's run: copied down beside its mirror
     if not (run_dir / "metrics.jsonl").is_file():
         raise ConfigError(f"{args.run_dir}: no metrics.jsonl here; give the --run-dir of a run")
     summary = summarize(run_dir)
@@ -149,21 +149,22 @@ def report(args: argparse.Namespace) -> int:
 def sync_store(url: str) -> str:
     """``report URL --sync store``: this machine's mirror's uploads that never happened."""
     from .config import RunConfig
+    from .run_dir import RunDir, StoreRunDir
     from .snapshots.uploads import sync_line, sync_up
-    from .storage import RemoteDir, check_location, is_remote, local_dir
 
-    if not is_remote(url):
+    remote = RunDir.of(url)
+    if not isinstance(remote, StoreRunDir):
         raise ConfigError(f"--sync store: {url} is a local folder; give the run dir on a store (s3://BUCKET/PREFIX) "
                           "whose mirror on this machine holds what it lacks")
-    check_location(url, flag="run dir")
-    remote, mirror = RemoteDir(url), local_dir(url)
+    remote.check_url(flag="run dir")
+    mirror = remote.local
     if not mirror.is_dir():
         raise ConfigError(f"--sync store: this machine has no mirror of {url} ({mirror}); run it on the machine "
                           "that trained it")
-    remote.check()
+    remote.check(flag="run dir")
     config = json.loads((mirror / "config.json").read_text()) if (mirror / "config.json").is_file() else {}
     try:
-        sent = sync_up(remote, mirror, int(config.get("keep") or RunConfig().keep))
+        sent = sync_up(remote, int(config.get("keep") or RunConfig().keep))
     except Exception as error:  # noqa: BLE001 - every client's own errors
         text = " ".join(str(error).split())[:160]
         raise ConfigError(f"--sync store: {url} failed ({type(error).__name__}: {text}); nothing in {mirror} was "
@@ -185,11 +186,11 @@ def sync_tracker(run_dir: Path, name: str, summary: dict[str, Any]) -> str:
 
 def export_command(args: argparse.Namespace) -> int:
     from .export import check_out, export
-    from .storage import readable_copy
+    from .run_dir import RunDir
 
     out = Path(args.out)
     check_out(out, args.force)  # before anything is fetched or read
-    run_dir = readable_copy(args.run_dir, snapshots=args.snapshot is not None)
+    run_dir = RunDir.of(args.run_dir).readable(snapshots=args.snapshot is not None)
     kept = [name for name in ("best", "ema") if getattr(args, name)]
     if len(kept) + (args.snapshot is not None) > 1:
         raise ConfigError("export: give one of --best, --ema and --snapshot N")

@@ -11,10 +11,8 @@ A ``RunConfig`` never changes once made: later stages derive new ones with
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError  # noqa: F401 - also ddptrain.config.ConfigError
+from .run_dir import default_name
 
 
 def _opt(help: str, *, choices: tuple[str, ...] | None = None, alias: str | None = None, many: bool = False,
@@ -240,10 +239,7 @@ def flag(name: str) -> str:
 
 def default_run_dir(cfg: RunConfig) -> str:
     """``runs/TASK-HASH``: the same settings give the same folder, other settings another."""
-    identity = json.dumps(cfg.identity(), sort_keys=True, default=str)
-    digest = hashlib.sha256(identity.encode()).hexdigest()[:8]
-    name = re.sub(r"[^A-Za-z0-9_.]+", "-", cfg.task.replace(":", ".")).strip("-.") or "task"
-    return os.path.join("runs", f"{name}-{digest}")
+    return default_name(cfg.task, cfg.identity())
 
 
 def parse_nproc(value: str) -> int | None:
@@ -350,19 +346,3 @@ def _check_strategy_options(cfg: RunConfig) -> None:
     if used:
         raise ConfigError(f"{used[0]} is a DDP option and does nothing with --strategy {cfg.strategy}; "
                           "drop it or use --strategy ddp")
-
-
-def make_run_dir(run_dir: str) -> None:
-    """Create the run dir now, so a folder that cannot be made is a one-line error before any rank starts."""
-    path = Path(run_dir)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"--run-dir {run_dir} is a file, not a folder; choose another --run-dir")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
-        reason = f"{blocker} is a file, not a folder" if blocker else error.strerror
-        raise ConfigError(f"--run-dir {run_dir} cannot be created ({reason}); choose a folder "
-                          "you can write to") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"--run-dir {run_dir} is not writable; choose a folder you can write to")

@@ -44,13 +44,13 @@ from .progress import Action, Cadence, Progress
 from .resilience.failures import STEP_NOTE
 from .resilience.guard import NonFiniteGuard, local_all_finite
 from .resilience.stop_signals import StopSignal
+from .run_dir import RunDir
 from .snapshots.best import BEST, best_model, write_best
 from .snapshots.checkpointer import Checkpointer, OneTable
 from .snapshots.files import HF_MODEL, atomic_save, snapshot_estimate, space_warning, write_hf_model
 from .snapshots.init_from import load_into, read_weights
 from .snapshots.restore import restore_point, resumed_config
 from .snapshots.uploads import PREEMPTED_UPLOAD_WAIT_S, rank_uploader, upload_wait_s
-from .storage import local_dir, remote_of
 from .tasks.protocol import Task, check_pair, check_task, split_loss
 
 LOSS_DISPLAY_EVERY = 20  # steps between progress-bar loss reads (each read syncs the device)
@@ -68,12 +68,12 @@ class Trainer:
         self.task, self.ctx, self.device = task, ctx, ctx.device
         cfg = cfg.with_task_defaults(task.defaults)  # lr, optimizer, ... the user left unset
         self.cfg = cfg.with_run_dir()
-        self.run_dir = local_dir(self.cfg.run_dir)  # a run dir on a store: this machine's mirror of it
-        self.remote = remote_of(self.cfg.run_dir)
+        self.home = RunDir.of(self.cfg.run_dir)
+        self.run_dir = self.home.local  # a run dir on a store: this machine's mirror of it
         self.watchdog = ctx.watchdog
         self.strategy = make_strategy(cfg, ctx)
         # a run dir on a store: its files go up behind the training
-        self.uploads = rank_uploader(self.remote, self.run_dir, self.cfg.keep, ctx,
+        self.uploads = rank_uploader(self.home, self.cfg.keep, ctx,
                                      shards_in_files=self.strategy.snapshot_format == "dcp")
         self.module = task.model  # unwrapped: state_dict, evaluation, model.pt
         if cfg.sync_batchnorm:
@@ -96,8 +96,8 @@ class Trainer:
                          else NullReporter(self.cfg, self.run_dir))
         # Where the run starts decides the batch size (a resume on another world size keeps the
         # snapshot's global batch), and the batch size the data, the epoch and the schedule.
-        self.start = restore_point(self.cfg, ctx, self.run_dir, self.module, self.weights.state_dict,
-                                   self.watchdog, self.remote)  # chosen by rank 0, checked by all
+        self.start = restore_point(self.cfg, ctx, self.home, self.module, self.weights.state_dict,
+                                   self.watchdog)  # chosen by rank 0, checked by all
         self.cfg = resumed_config(self.start, self.cfg, ctx.world_size, self.reporter.info)
         if self.start is None and self.cfg.init_from:  # weights only, before step 0 (every rank reads them)
             self.reporter.info(load_into(self.module, read_weights(self.cfg.init_from), self.cfg.init_from,
@@ -122,14 +122,14 @@ class Trainer:
         self.scheduler = build_schedule(self.optimizer, cfg, self.steps_per_epoch)
         self.ray = RayReports(str(self.cfg.run_dir), ctx.is_main)  # inside a Ray Train worker: reports to Ray
         self.checkpointer = Checkpointer(
-            cfg, ctx, self.run_dir, self.strategy, self.watchdog,
+            cfg, ctx, self.home, self.strategy, self.watchdog,
             weights=self.weights,
             states={"scheduler": SchedulerState(self.scheduler), "scaler": ScalerState(self.scaler),
                     # one table in the snapshot format: where the run is, the epoch's loss so far, skips
                     "progress": OneTable(self.progress, self.losses, self.grad_norms, self.guard,
                                          *([self.best] if self.best is not None else []))},
             per_rank={"data": self.batches} if isinstance(self.batches, StreamBatches) else {},
-            start=self.start, group=self.cpu_group, remote=self.remote, uploads=self.uploads,
+            start=self.start, group=self.cpu_group, uploads=self.uploads,
             on_committed=self.ray.committed if self.ray.active else None)
         self.stop_signal = StopSignal(self.cpu_group, self.checkpointer.due_by_time if ctx.is_main else None,
                                       self.watchdog)

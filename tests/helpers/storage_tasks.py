@@ -18,16 +18,16 @@ def cut_before_manifest(cfg) -> Task:
     snapshot's file is in the store, its manifest is not (MARKER names the snapshot)."""
     marker = Path(os.environ["MARKER"])
     if _rank() == 0 and _first_attempt(marker):
-        from ddptrain.storage import RemoteDir
+        from ddptrain.run_dir import StoreRunDir
 
-        commit, calls = RemoteDir.commit, {"n": 0}
+        commit, calls = StoreRunDir.commit_snapshot, {"n": 0}
 
-        def cut(self: RemoteDir, name: str) -> None:
+        def cut(self: StoreRunDir, name: str) -> None:
             calls["n"] += 1
             if calls["n"] == int(os.environ["CUT_COMMIT"]):
                 assert self.exists(f"snapshots/{name}"), "the snapshot's file should be uploaded already"
                 marker.write_text(name)
                 os.kill(os.getpid(), signal.SIGKILL)
             commit(self, name)
-        RemoteDir.commit = cut  # type: ignore[method-assign]
+        StoreRunDir.commit_snapshot = cut  # type: ignore[method-assign]
     return regression_task(cfg)

@@ -103,19 +103,22 @@ def test_a_store_without_credentials_or_bucket_is_a_one_line_error(s3_server, tm
 
 def test_a_run_dir_on_a_store_is_held_by_one_job_at_a_time(s3_server, tmp_path, monkeypatch):
     from ddptrain.resilience.hold import RemoteHold, RunDirHold
-    from ddptrain.storage import RemoteDir
+    from ddptrain.run_dir import StoreRunDir
 
     for key, value in s3_server.env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(RemoteHold, "SETTLE_S", 0.1)
     url = s3_server.bucket("held") + "/run"
-    for machine in ("machine-1", "machine-2"):
-        (tmp_path / machine).mkdir()
-    first = RunDirHold(tmp_path / "machine-1", "job-a", RemoteDir(url)).acquire()
-    second = RunDirHold(tmp_path / "machine-2", "job-b", RemoteDir(url))  # another machine's mirror
+    homes = []
+    for machine in ("machine-1", "machine-2"):  # each machine's mirror under its own cache
+        monkeypatch.setenv("DDPTRAIN_CACHE", str(tmp_path / machine))
+        homes.append(StoreRunDir(url))
+        homes[-1].create()
+    first = RunDirHold(homes[0], "job-a").acquire()
+    second = RunDirHold(homes[1], "job-b")  # another machine's mirror
     with pytest.raises(ConfigError, match=rf"^run dir {url} is in use by job job-a \(host "):
         second.acquire()
-    assert not (tmp_path / "machine-2" / ".hold").exists()  # a refused job leaves nothing behind
+    assert not (homes[1].local / ".hold").exists()  # a refused job leaves nothing behind
     first.release()
     second.acquire().release()
     assert not s3_server.filesystem().exists("held/run/.hold")
@@ -123,13 +126,13 @@ def test_a_run_dir_on_a_store_is_held_by_one_job_at_a_time(s3_server, tmp_path, 
 
 def test_report_and_export_read_a_run_on_the_store_as_its_mirror(s3_server, tmp_path, monkeypatch, capsys):
     from ddptrain.cli import main
-    from ddptrain.storage import local_dir
+    from ddptrain.run_dir import RunDir
 
     for key, value in _machine(s3_server, tmp_path, "machine").items():
         monkeypatch.setenv(key, value)
     url = s3_server.bucket("read") + "/run"
     fit("regression", url, max_epochs=1)
-    mirror = local_dir(url)
+    mirror = RunDir.of(url).local
     capsys.readouterr()
     assert main(["report", url]) == 0
     out = capsys.readouterr().out

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ddptrain.errors import StoreBehind
+from ddptrain.run_dir import LEDGER, StoreRunDir
 from ddptrain.snapshots import files
 from ddptrain.snapshots.uploads import Uploader, sync_up
-from ddptrain.storage import LEDGER, RemoteDir
 from helpers.proxy import TcpProxy
 
 pytestmark = pytest.mark.slow
@@ -41,11 +41,13 @@ def _wait_for(condition, seconds=20.0):
         time.sleep(0.05)
 
 
-def test_an_outage_costs_two_lines_and_the_store_ends_as_the_mirror(s3_server, through_proxy, tmp_path, capsys):
+def test_an_outage_costs_two_lines_and_the_store_ends_as_the_mirror(s3_server, through_proxy, tmp_path, capsys,
+                                                                    monkeypatch):
     url = s3_server.bucket("uploads-outage") + "/run"
-    mirror = tmp_path / "mirror"
-    mirror.mkdir()
-    uploader = Uploader(RemoteDir(url), mirror, keep=1)
+    monkeypatch.setenv("DDPTRAIN_CACHE", str(tmp_path))  # the run dir's mirror
+    mirror = StoreRunDir(url).local
+    mirror.mkdir(parents=True)
+    uploader = Uploader(StoreRunDir(url), keep=1)
     (mirror / "metrics.jsonl").write_text("one\n")
     uploader.add_file("metrics.jsonl")
     _snapshot(mirror, uploader, 5)
@@ -80,12 +82,13 @@ def test_an_outage_costs_two_lines_and_the_store_ends_as_the_mirror(s3_server, t
 
 
 def test_a_store_down_at_the_end_is_one_error_and_sync_up_uploads_it_later(s3_server, through_proxy, tmp_path,
-                                                                           capsys):
+                                                                           capsys, monkeypatch):
     url = s3_server.bucket("uploads-down") + "/run"
-    mirror = tmp_path / "mirror"
-    mirror.mkdir()
-    remote = RemoteDir(url)
-    uploader = Uploader(remote, mirror, keep=2)
+    monkeypatch.setenv("DDPTRAIN_CACHE", str(tmp_path))  # the run dir's mirror
+    mirror = StoreRunDir(url).local
+    mirror.mkdir(parents=True)
+    remote = StoreRunDir(url)
+    uploader = Uploader(remote, keep=2)
     through_proxy.cut()
     _snapshot(mirror, uploader, 7)
     torch.save({"w": torch.ones(2)}, mirror / "model.pt")
@@ -108,17 +111,17 @@ def test_a_store_down_at_the_end_is_one_error_and_sync_up_uploads_it_later(s3_se
     uploader.thread.join(timeout=60)
     assert not uploader.thread.is_alive()
     through_proxy.restore()
-    assert sync_up(RemoteDir(url), mirror, keep=2) == 5  # the snapshot, its manifest, model.pt, best/'s two
+    assert sync_up(StoreRunDir(url), keep=2) == 5  # the snapshot, its manifest, model.pt, best/'s two
     fs = s3_server.filesystem()
     assert fs.exists("uploads-down/run/snapshots/step-000000007.pt.manifest")
     assert torch.equal(torch.load(mirror / "model.pt")["w"], torch.ones(2))
     assert fs.cat_file("uploads-down/run/model.pt") == (mirror / "model.pt").read_bytes()
     assert fs.cat_file("uploads-down/run/best/best.json") == b'{"step": 7}\n'
     assert not (mirror / LEDGER).exists()
-    assert sync_up(RemoteDir(url), mirror, keep=2) == 3  # model.pt and best/ again; no snapshot newer than the store's
+    assert sync_up(StoreRunDir(url), keep=2) == 3  # model.pt and best/ again; no snapshot newer than the store
 
 
-def test_a_store_that_hangs_holds_the_end_no_longer_than_its_bound(s3_server, through_proxy, tmp_path):
+def test_a_store_that_hangs_holds_the_end_no_longer_than_its_bound(s3_server, through_proxy, tmp_path, monkeypatch):
     """Connections accepted, never answered: the end still comes after the wait, and the hold's
     release after RELEASE_WAIT_S."""
     import time
@@ -126,14 +129,15 @@ def test_a_store_that_hangs_holds_the_end_no_longer_than_its_bound(s3_server, th
     from ddptrain.resilience.hold import RELEASE_WAIT_S, RemoteHold
 
     url = s3_server.bucket("uploads-hung") + "/run"
-    mirror = tmp_path / "mirror"
-    mirror.mkdir()
+    monkeypatch.setenv("DDPTRAIN_CACHE", str(tmp_path))  # the run dir's mirror
+    mirror = StoreRunDir(url).local
+    mirror.mkdir(parents=True)
     through_proxy.hang()
-    uploader = Uploader(RemoteDir(url), mirror, keep=2)
+    uploader = Uploader(StoreRunDir(url), keep=2)
     (mirror / "metrics.jsonl").write_text("one\n")
     uploader.add_file("metrics.jsonl")
     started = time.monotonic()
     with pytest.raises(StoreBehind, match=r"within 2 s \(its requests had not returned\): not uploaded: metrics"):
         uploader.close(wait_s=2)
-    RemoteHold(RemoteDir(url), "job-a").release(quiet=True)
+    RemoteHold(StoreRunDir(url), "job-a").release(quiet=True)
     assert time.monotonic() - started < 2 + RELEASE_WAIT_S + 2

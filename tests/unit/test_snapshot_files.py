@@ -3,14 +3,16 @@
 import os
 import pickle
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from ddptrain import ConfigError
+from ddptrain.run_dir import RunDir
 from ddptrain.snapshots import files
 from ddptrain.snapshots.dcp import remove_partials
-from ddptrain.snapshots.restore import adapt_batch, check_resume_path, move_aside
+from ddptrain.snapshots.restore import adapt_batch, check_resume_path
 
 
 class _Exploit:
@@ -77,11 +79,11 @@ def test_a_fresh_start_moves_an_earlier_runs_files_aside(tmp_path):
         (tmp_path / name).write_text(name)
     (tmp_path / "snapshots").mkdir()
     (tmp_path / "logs").mkdir()
-    moved = move_aside(tmp_path)
-    assert moved is not None and moved.parent == tmp_path and moved.name.startswith("previous-")
-    assert sorted(p.name for p in moved.iterdir()) == ["config.json", "metrics.jsonl", "model.pt", "snapshots"]
+    moved = RunDir(tmp_path).move_aside("20261202-000000")
+    assert moved is not None and Path(moved).parent == tmp_path and Path(moved).name.startswith("previous-")
+    assert sorted(p.name for p in Path(moved).iterdir()) == ["config.json", "metrics.jsonl", "model.pt", "snapshots"]
     assert (tmp_path / "logs").is_dir() and not (tmp_path / "model.pt").exists()
-    assert move_aside(tmp_path) is None  # nothing left to move
+    assert RunDir(tmp_path).move_aside("20261202-000001") is None  # nothing left to move
 
 
 def test_resume_path_is_checked_before_any_rank_starts(tmp_path):

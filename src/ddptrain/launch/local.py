@@ -28,7 +28,7 @@ from ..config import RunConfig
 from ..errors import ConfigError
 from ..resilience.failures import job_failure
 from ..resilience.stop_signals import restore_handlers
-from ..storage import local_dir
+from ..run_dir import RunDir
 from ..tasks.protocol import TaskFactory
 from .environments import Environment, LocalEnvironment
 from .group import cuda_count
@@ -104,7 +104,7 @@ def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFact
     ``env``: one that starts the ranks (no launcher; a PyTorchJob pod is one node of several,
     meeting at the master pod's address)."""
     env = env or LocalEnvironment()
-    run_dir = local_dir(cfg.run_dir)  # a remote run dir: its local mirror (logs stay on this machine)
+    run_dir = RunDir.of(cfg.run_dir).local  # a store's run dir: this machine's mirror (logs stay here)
     addr, port = env.master_addr, env.master_port  # port 0: the OS picks a free one, no clashes
     meeting = env.rendezvous(cfg.timeout)
     if meeting.own_endpoint:

@@ -36,7 +36,7 @@ from ..resilience.failures import hard_exit, record_error
 from ..resilience.hold import RunDirHold, job_id
 from ..resilience.stop_signals import PREEMPTED_EXIT_CODE
 from ..resilience.watchdog import NullWatchdog, Watchdog
-from ..storage import RemoteDir, local_dir, remote_of
+from ..run_dir import RunDir
 from ..tasks.protocol import Task, TaskFactory
 from ..trainer import Trainer
 from .environments import detect
@@ -158,7 +158,8 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
     show_warnings_with_rank(env.rank)
     if env.local_rank == 0 and (line := env.shared_store_warning()):  # once on every node
         say(f"ddptrain: {line}", sys.stderr)
-    run_dir = local_dir(cfg.run_dir)  # resolved by the caller (api.execute); a remote one's local mirror
+    home = RunDir.of(cfg.run_dir)  # resolved by the caller (api.execute)
+    run_dir = home.local  # a store's run dir: this machine's mirror
     device_kind, backend = resolve_device_kind(cfg.device, cfg.backend, env.local_world_size)
     store = connect_store(env, cfg.timeout)
     global _watchdog
@@ -168,7 +169,7 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
         watchdog = NullWatchdog()
     try:
         watchdog.phase("start-up: taking the run dir (one job per run dir)")
-        hold_run_dir(env.rank, run_dir, store, remote_of(cfg.run_dir))  # before this job touches anything in it
+        hold_run_dir(env.rank, home, store)  # before this job touches anything in it
         write_pid_file(run_dir, env.rank)
         watchdog.phase("start-up: building the task")
         task = tasks.build(cfg, factory)
@@ -205,7 +206,7 @@ def train(task: Task, cfg: RunConfig, ctx: DistContext) -> tuple[str, tuple[int,
     return status, (trainer.progress.epoch, trainer.progress.global_step)
 
 
-def hold_run_dir(rank: int, run_dir: Path, store: Any, remote: RemoteDir | None = None) -> None:
+def hold_run_dir(rank: int, home: RunDir, store: Any) -> None:
     """Under torchrun or srun, rank 0 holds the run dir for the whole job and tells the other
     ranks (through the store) whether it could; ddptrain's own launcher already holds it."""
     global _hold
@@ -214,7 +215,7 @@ def hold_run_dir(rank: int, run_dir: Path, store: Any, remote: RemoteDir | None 
     key = round_prefix() + "hold"
     if rank == 0:
         try:
-            _hold = RunDirHold(run_dir, job_id(), remote).acquire()
+            _hold = RunDirHold(home, job_id()).acquire()
         except ConfigError as refused:
             store.set(key, str(refused))
             raise
@@ -232,10 +233,9 @@ def outcome_message(status: str, cfg: RunConfig, reached: tuple[int, int] | None
         return (f"stopped by a signal at a step boundary; snapshot saved in {cfg.run_dir}/snapshots; "
                 "run the same command to resume")
     if status == "already_finished":
-        remote = remote_of(cfg.run_dir)
-        model = str(cfg.run_dir).rstrip("/") + "/model.pt"
-        saved = remote.exists("model.pt") if remote is not None else Path(model).exists()
-        return finished_message(str(cfg.run_dir), cfg, *(reached or (0, 0)), model if saved else None)
+        home = RunDir.of(cfg.run_dir)
+        model = home.url_of("model.pt") if home.exists("model.pt") else None
+        return finished_message(str(home), cfg, *(reached or (0, 0)), model)
     return f"model saved to {cfg.run_dir}/model.pt"
 
 

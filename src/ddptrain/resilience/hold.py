@@ -16,7 +16,7 @@ heartbeat), and keeps it until it ends:
   is stale.
 - A second job on a held folder stops with one line naming the holder (ConfigError, exit 2)
   and touches nothing.
-- A run dir on object storage (storage.py) is held twice: its local mirror as above, and the
+- A run dir on object storage (run_dir.py) is held twice: its local mirror as above, and the
   store's ``.hold`` object, by heartbeat alone (no locks there). A store without conditional
   writes leaves a race between two jobs starting in the same second: after writing its
   record, the job reads it back a moment later and gives way if another job's record won.
@@ -31,11 +31,10 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..storage import LEDGER, RemoteDir
+from ..run_dir import LEDGER, RunDir, StoreRunDir
 
 HOLD_FILE = ".hold"
 HEARTBEAT_S = 10.0
@@ -59,11 +58,11 @@ def job_id(environ: os._Environ[str] | dict[str, str] = os.environ) -> str:
 class RunDirHold:
     """This job's hold on ``run_dir`` (``acquire`` ... ``release``)."""
 
-    def __init__(self, run_dir: str | os.PathLike[str], job: str, remote: RemoteDir | None = None) -> None:
-        """``run_dir``: the local folder (a remote run dir's mirror); ``remote``: the run dir on a store."""
-        self.path = Path(run_dir) / HOLD_FILE
+    def __init__(self, home: RunDir, job: str) -> None:
+        """Held in ``home``'s folder on this machine (a store's run dir: its mirror, and the store)."""
+        self.path = home.local / HOLD_FILE
         self.job = job
-        self.remote = RemoteHold(remote, job) if remote is not None else None
+        self.store_record = RemoteHold(home, job) if isinstance(home, StoreRunDir) else None
         self.fd: int | None = None
         self.since = time.time()
         self._stop = threading.Event()
@@ -89,9 +88,9 @@ class RunDirHold:
             raise
         self.fd = fd
         self._write()
-        if self.remote is not None:
+        if self.store_record is not None:
             try:
-                self.remote.acquire()
+                self.store_record.acquire()
             except BaseException:
                 self.release()
                 raise
@@ -104,8 +103,8 @@ class RunDirHold:
         self._stop.set()
         if self.fd is None:
             return
-        if self.remote is not None:  # quiet when the run's last line already said the store is down
-            self.remote.release(quiet=(self.path.parent / LEDGER).is_file())
+        if self.store_record is not None:  # quiet when the run's last line already said the store is down
+            self.store_record.release(quiet=(self.path.parent / LEDGER).is_file())
         try:
             holder = _read(self.fd)
             if holder.get("job") == self.job and holder.get("pid") == os.getpid():
@@ -128,9 +127,9 @@ class RunDirHold:
                 self._write()
             except (OSError, AssertionError):
                 return
-            if self.remote is not None:
+            if self.store_record is not None:
                 try:
-                    self.remote.write()
+                    self.store_record.write()
                 except Exception:  # noqa: BLE001 - a store that is briefly unreachable: beat again later
                     pass
 
@@ -161,7 +160,7 @@ class RemoteHold:
 
     SETTLE_S = 1.0  # how long a competing writer may take to overwrite our record
 
-    def __init__(self, remote: RemoteDir, job: str) -> None:
+    def __init__(self, remote: StoreRunDir, job: str) -> None:
         self.remote, self.job, self.since = remote, job, time.time()
 
     def record(self) -> dict[str, Any]:

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from ..comm import CollectiveMarks, DistContext
 from ..config import RunConfig
-from ..errors import StorageNotShared
-from ..storage import RemoteDir
+from ..run_dir import RunDir
 from . import dcp as snapshot_dcp
 from . import files, rng
 from .restore import Snapshot
@@ -71,21 +69,21 @@ class Weights(Protocol):
 
 
 class Checkpointer:
-    def __init__(self, cfg: RunConfig, ctx: DistContext, run_dir: Path, strategy: Any, marks: CollectiveMarks,
+    def __init__(self, cfg: RunConfig, ctx: DistContext, home: RunDir, strategy: Any, marks: CollectiveMarks,
                  weights: Weights, states: Mapping[str, Stateful], per_rank: Mapping[str, PerRank] | None = None,
-                 start: Snapshot | None = None, group: Any = None, remote: RemoteDir | None = None,
-                 uploads: Any = None, on_committed: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+                 start: Snapshot | None = None, group: Any = None, uploads: Any = None,
+                 on_committed: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         """``per_rank``: states every rank has its own of (a stream's reading position), saved as
         a list by rank and handed back whole on resume; ``start``: the snapshot the run resumes
         from (restore.restore_point), loaded by ``resume``; ``group``: a gloo group for the
-        random and per-rank states (None: the default group); ``remote``: the run dir on a store
-        and ``uploads`` this rank's uploads.Uploader to it (snapshots go up behind the training,
+        random and per-rank states (None: the default group); ``uploads``: this rank's
+        uploads.Uploader to the run dir's store, if it has one (snapshots go up behind the training,
         committed there by their manifests); ``on_committed(location, progress)``:
         called on every rank once every rank knows a snapshot is committed (Ray Train's reports)."""
         self.cfg, self.ctx, self.group, self.marks = cfg, ctx, group, marks
         self.weights, self.states, self.start = weights, dict(states), start
         self.per_rank = dict(per_rank or {})
-        self.dir, self.remote = files.snapshot_dir(run_dir), remote
+        self.home, self.dir = home, files.snapshot_dir(home.local)
         self.sharded = strategy.snapshot_format == "dcp"
         if self.sharded:  # DCP's background writes talk on a group of their own
             with marks.waiting("start-up: creating the snapshot writers' process group"):
@@ -211,7 +209,7 @@ class Checkpointer:
         if self.saved_step < 0:
             return None
         name = files.snapshot_name(self.saved_step, self.sharded)
-        return self.remote.url_of(f"snapshots/{name}") if self.remote is not None else str(self.dir / name)
+        return self.home.url_of(f"snapshots/{name}")
 
     def close(self, wait: bool = True) -> None:
         if self.writer is not None:
@@ -220,8 +218,4 @@ class Checkpointer:
     def _check_visible(self, step: int) -> None:
         if step < 0 or step == self.resumed_step:
             return
-        if self.remote is not None:  # each machine's mirror is its own; the store's copy follows behind
-            return
-        path = self.dir / files.snapshot_name(step, self.sharded)
-        if not path.exists():
-            raise StorageNotShared(self.ctx.rank, path)
+        self.home.check_visible(self.dir / files.snapshot_name(step, self.sharded), self.ctx.rank)

@@ -6,7 +6,7 @@ A snapshot counts only once complete: it is written as ``snapshots/.step-N.parti
 every rank's shard and DCP's metadata are on disk, rank 0 adds ``meta.pt`` (progress,
 schedule, RNG states, ...) and renames the folder to ``snapshots/step-N/``. Only then are
 older snapshots removed. A ``.partial`` folder (a writer killed mid-way) is never loaded:
-it is named in a warning and removed. A run dir on a store (storage.py) is written the same
+it is named in a warning and removed. A run dir on a store (run_dir.py) is written the same
 way into this machine's mirror, then uploaded behind the training (uploads.py): rank 0 uploads
 the folder and commits it there; a rank on another machine uploads its own shard files.
 """

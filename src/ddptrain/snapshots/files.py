@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import shutil
 import warnings
 from collections.abc import Collection
@@ -25,9 +24,9 @@ from typing import Any
 import torch
 
 from ..errors import DiskFull, SnapshotError
+from ..run_dir import SNAPSHOT_NAME, snapshot_name, snapshot_number
 
 FORMAT_VERSION = 2
-_NAME = re.compile(r"^step-(\d{9})(\.pt)?$")  # a file (one rank wrote it) or a DCP folder (sharded)
 REQUIRED = {
     "format_version": int, "progress": dict, "world_size": int, "batch_size": int, "global_batch": int,
     "fingerprint": dict, "rng": list,
@@ -40,12 +39,8 @@ def snapshot_dir(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir) / "snapshots"
 
 
-def snapshot_name(global_step: int, folder: bool = False) -> str:
-    return f"step-{global_step:09d}" + ("" if folder else ".pt")
-
-
 def snapshot_step(path: Path) -> int:
-    return int(_NAME.match(path.name).group(1))  # type: ignore[union-attr]  # listed by that pattern
+    return snapshot_number(path.name)
 
 
 def list_snapshots(directory: Path) -> list[Path]:
@@ -53,7 +48,7 @@ def list_snapshots(directory: Path) -> list[Path]:
     and unfinished folders (``.*.partial``) never appear here."""
     if not directory.is_dir():
         return []
-    found = [p for p in directory.iterdir() if (m := _NAME.match(p.name)) and (p.is_dir() != bool(m.group(2)))]
+    found = [p for p in directory.iterdir() if (m := SNAPSHOT_NAME.match(p.name)) and (p.is_dir() != bool(m.group(2)))]
     return sorted(found, key=snapshot_step)
 
 

@@ -16,7 +16,6 @@ Loading the snapshot into the run's components is the checkpointer's (``Checkpoi
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -31,14 +30,11 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from ..comm import CollectiveMarks, DistContext, broadcast_object
 from ..config import RunConfig
 from ..console import say
-from ..errors import ConfigError, StorageNotShared
-from ..storage import RemoteDir
+from ..errors import ConfigError
+from ..run_dir import RunDir, StoreRunDir
 from . import dcp as snapshot_dcp
 from . import files
 from .uploads import mirror_is_ahead, sync_up
-
-LEFTOVERS = ("snapshots", "metrics.jsonl", "model.pt", "config.json", "curves.png", "tensorboard", "trackers.json",
-             "metrics.csv", "wandb", "hf_model.json", "best", "ema")
 
 
 @dataclass
@@ -52,21 +48,19 @@ class Snapshot:
         return int(self.state["progress"]["global_step"])
 
 
-def restore_point(cfg: RunConfig, ctx: DistContext, run_dir: Path, module: torch.nn.Module,
-                  templates: Callable[[], dict[str, Any]], marks: CollectiveMarks,
-                  remote: RemoteDir | None = None) -> Snapshot | None:
+def restore_point(cfg: RunConfig, ctx: DistContext, home: RunDir, module: torch.nn.Module,
+                  templates: Callable[[], dict[str, Any]], marks: CollectiveMarks) -> Snapshot | None:
     """Collective: the snapshot every rank resumes from, checked on every rank, or None.
     ``templates()``: this run's own state dicts of the weights (model, optimizer, ema), which
-    a DCP snapshot is loaded into;
-    ``remote``: the run dir on a store, of which ``run_dir`` is this machine's mirror."""
+    a DCP snapshot is loaded into."""
     chosen: Snapshot | None = None
     choice: Any = None
-    if remote is not None and ctx.local_rank == 0 and mirror_is_ahead(run_dir):
-        _from_store(remote, run_dir, lambda: sync_pending(remote, run_dir, cfg.keep))
-    if remote is not None and cfg.resume != "never":
-        pull(remote, run_dir, ctx, marks)
+    if isinstance(home, StoreRunDir) and ctx.local_rank == 0 and mirror_is_ahead(home.local):
+        _from_store(home, lambda: sync_pending(home, cfg.keep))
+    if cfg.resume != "never":
+        pull(home, ctx, marks)
     if ctx.is_main:
-        choice = _choose(cfg, files.snapshot_dir(run_dir), run_dir, remote)
+        choice = _choose(cfg, home)
         chosen = choice if isinstance(choice, Snapshot) else None
     with marks.waiting("start-up: agreeing on the snapshot to resume"):
         choice = broadcast_object(str(choice.path) if isinstance(choice, Snapshot) else choice)
@@ -75,8 +69,7 @@ def restore_point(cfg: RunConfig, ctx: DistContext, run_dir: Path, module: torch
     if choice is None:
         return None
     path = Path(choice)
-    if not path.exists():
-        raise StorageNotShared(ctx.rank, path)
+    home.check_visible(path, ctx.rank)
     snapshot = chosen or Snapshot(path, files.load_snapshot(path))
     current = snapshot_dcp.whole_shapes(cast(dict[str, torch.Tensor], get_model_state_dict(module)))
     if path.is_dir():
@@ -91,51 +84,53 @@ def restore_point(cfg: RunConfig, ctx: DistContext, run_dir: Path, module: torch
     return snapshot
 
 
-def pull(remote: RemoteDir, run_dir: Path, ctx: DistContext, marks: CollectiveMarks) -> None:
-    """Collective: every machine's mirror gets the store's committed snapshots (each machine's
-    first rank fetches them), rank 0 the run's files. A snapshot without its manifest (an upload
-    cut short) is never loaded: rank 0 names it and removes it from the store."""
+def pull(home: RunDir, ctx: DistContext, marks: CollectiveMarks) -> None:
+    """Collective: every machine's mirror of a store's run dir gets the store's committed
+    snapshots (each machine's first rank fetches them), rank 0 the run's files. A snapshot
+    without its manifest (an upload cut short) is never loaded: rank 0 names it and removes it
+    from the store. (A folder holds its own: nothing is fetched, the ranks only meet.)"""
     if ctx.local_rank == 0:
-        cut = _from_store(remote, run_dir, lambda: remote.pull_snapshots(files.snapshot_dir(run_dir),
-                                                                          remove_cut=ctx.is_main))
+        cut = _from_store(home, lambda: home.pull(remove_cut=ctx.is_main))
         for name in cut if ctx.is_main else []:
-            say(f"ddptrain: snapshot {remote.url_of('snapshots/' + name)} was never committed (no manifest: its "
+            say(f"ddptrain: snapshot {home.url_of('snapshots/' + name)} was never committed (no manifest: its "
                 "upload was cut short); removed it", sys.stderr)
     if ctx.is_main:
-        _from_store(remote, run_dir, lambda: remote.pull_run_files(run_dir))
-    with marks.waiting("start-up: fetching the run's snapshots from its store"):
+        _from_store(home, home.pull_run_files)
+    with marks.waiting("start-up: every machine's copy of the run's snapshots"):
         dist.barrier()
 
 
-def sync_pending(remote: RemoteDir, run_dir: Path, keep: int) -> None:
+def sync_pending(home: StoreRunDir, keep: int) -> None:
     """This machine's mirror holds uploads an earlier run could not make (uploads.py): they go
     first, before anything is read from the store."""
-    sent = sync_up(remote, run_dir, keep)
+    sent = sync_up(home, keep)
     if sent:
-        say(f"ddptrain: uploaded {sent} file(s) an earlier run on this machine could not ({remote.url} "
+        say(f"ddptrain: uploaded {sent} file(s) an earlier run on this machine could not ({home} "
             "did not answer then)", sys.stderr)
 
 
 T = TypeVar("T")
 
 
-def _from_store(remote: RemoteDir, run_dir: Path, read: Callable[[], T]) -> T:
+def _from_store(home: RunDir, read: Callable[[], T]) -> T:
     """``read()``; a store that fails it is one line (ConfigError), not the client's traceback."""
     try:
         return read()
     except ConfigError:
         raise
     except Exception as error:  # noqa: BLE001 - every client's own errors
+        if not isinstance(home, StoreRunDir):  # a folder's own error is no store's
+            raise
         text = " ".join(str(error).split())[:160]
-        ahead = (f"; this machine's mirror {run_dir} holds uploads it lacks, which go first"
-                 if mirror_is_ahead(run_dir) else "")
-        raise ConfigError(f"--run-dir {remote.url}: the store failed at start-up ({type(error).__name__}: {text})"
+        ahead = (f"; this machine's mirror {home.local} holds uploads it lacks, which go first"
+                 if mirror_is_ahead(home.local) else "")
+        raise ConfigError(f"--run-dir {home}: the store failed at start-up ({type(error).__name__}: {text})"
                           f"{ahead}; run the same command again once it answers") from None
 
 
-def _choose(cfg: RunConfig, snapshots: Path, run_dir: Path,
-            remote: RemoteDir | None = None) -> Snapshot | dict[str, str] | None:
+def _choose(cfg: RunConfig, home: RunDir) -> Snapshot | dict[str, str] | None:
     """Rank 0: the snapshot, None for a fresh start, or {"error": message}."""
+    snapshots = files.snapshot_dir(home.local)
     snapshot_dcp.remove_partials(snapshots)
     try:
         if cfg.resume == "never":
@@ -147,12 +142,9 @@ def _choose(cfg: RunConfig, snapshots: Path, run_dir: Path,
     except ConfigError as error:
         return {"error": str(error)}
     if found is None:
-        moved: Path | str | None = move_aside(run_dir)
-        if remote is not None:
-            moved = _from_store(remote, run_dir, lambda: remote.move_aside(time.strftime("%Y%m%d-%H%M%S")))
+        moved = _from_store(home, lambda: home.move_aside(time.strftime("%Y%m%d-%H%M%S")))
         if moved is not None:
-            where = remote.url if remote is not None else run_dir
-            say(f"ddptrain: a fresh start in {where}: moved the earlier run's files to {moved}")
+            say(f"ddptrain: a fresh start in {home}: moved the earlier run's files to {moved}")
         return None
     return Snapshot(*found)
 
@@ -182,22 +174,6 @@ def adapt_batch(global_batch: int, world_size: int, grad_accum: int) -> int:
         raise ConfigError(f"the snapshot's global batch {global_batch} cannot be split evenly over "
                           f"{world_size} ranks x --grad-accum {grad_accum}; use a world size in {workable}")
     return per_rank
-
-
-def move_aside(run_dir: Path) -> Path | None:
-    """Move an earlier run's files into ``run_dir/previous-<time>/``; its path, or None if none."""
-    found = [name for name in LEFTOVERS if (run_dir / name).exists()]
-    if not found:
-        return None
-    target = run_dir / time.strftime("previous-%Y%m%d-%H%M%S")
-    suffix = 1
-    while target.exists():
-        target = target.with_name(f"{target.name.split('.')[0]}.{suffix}")
-        suffix += 1
-    target.mkdir(parents=True)
-    for name in found:
-        os.replace(run_dir / name, target / name)
-    return target
 
 
 def check_resume_path(path: str) -> None:

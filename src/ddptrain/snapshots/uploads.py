@@ -1,12 +1,12 @@
 """A run dir on a store: its files go up behind the training, so an outage costs the store, never the work.
 
 Everything that makes the run (snapshots, metrics.jsonl and the other run files, model.pt) is
-written to this machine's mirror first (storage.local_dir) and queued here; one thread uploads
+written to this machine's mirror first (RunDir.local) and queued here; one thread uploads
 the queue in order. A failed upload is retried with backoff (1 s doubling to 15 s) while the
 training goes on: one warning line when the store stops answering, one line when it is back
 ("caught up: N files"). No step ever waits on the store.
 
-- A snapshot is committed in the store (its manifest, storage.py) once every file of it is
+- A snapshot is committed in the store (its manifest, run_dir.py) once every file of it is
   there; the mirror's copy is never rotated away before that (``pending_snapshots``).
 - FSDP's DCP folders: on rank 0's machine the folder is complete in the mirror (every local
   rank writes its shards there) and rank 0 uploads it whole. A rank on another machine uploads
@@ -32,7 +32,7 @@ from pathlib import Path
 from ..comm import DistContext
 from ..console import say
 from ..errors import StoreBehind
-from ..storage import LEDGER, RUN_FILES, RemoteDir, snapshot_number
+from ..run_dir import LEDGER, RUN_FILES, RunDir, StoreRunDir, snapshot_number
 from . import files
 
 UPLOAD_WAIT_S = 60.0  # default seconds a finished run waits for a store to take what it has not yet
@@ -53,11 +53,15 @@ class NotYet(Exception):
 
 @dataclass
 class Target:
-    """Where uploads go from, and to: the mirror, the store, and how many snapshots the store keeps."""
+    """Where uploads go from, and to: the run dir (its mirror and its store), and how many
+    snapshots the store keeps."""
 
-    remote: RemoteDir
-    mirror: Path
+    remote: StoreRunDir
     keep: int
+
+    @property
+    def mirror(self) -> Path:
+        return self.remote.local
 
 
 class Upload:
@@ -94,7 +98,7 @@ class SnapshotUpload(Upload):
             missing = dcp_missing(self.up.remote, local)
             if missing:
                 raise NotYet(f"{name}: {len(missing)} shard file(s) of other machines not in the store yet")
-        self.up.remote.commit(name)
+        self.up.remote.commit_snapshot(name)
         self.up.remote.rotate(self.up.keep)
         return sent + 1
 
@@ -121,7 +125,7 @@ def _folder_files(folder: Path) -> list[tuple[Path, str]]:
     return [(file, str(file.relative_to(folder))) for file in sorted(folder.rglob("*")) if file.is_file()]
 
 
-def dcp_missing(remote: RemoteDir, folder: Path) -> list[str]:
+def dcp_missing(remote: StoreRunDir, folder: Path) -> list[str]:
     """The files DCP's ``.metadata`` in ``folder`` names that the store's copy of it lacks."""
     metadata = folder / ".metadata"
     if not metadata.is_file():
@@ -133,25 +137,24 @@ def dcp_missing(remote: RemoteDir, folder: Path) -> list[str]:
     return sorted(named - present)
 
 
-def rank_uploader(remote: RemoteDir | None, mirror: Path, keep: int, ctx: DistContext,
-                  shards_in_files: bool) -> Uploader | None:
+def rank_uploader(home: RunDir, keep: int, ctx: DistContext, shards_in_files: bool) -> Uploader | None:
     """A run dir on a store: rank 0 uploads the run; where every rank writes its own shard files
     (``shards_in_files``: FSDP's DCP), a rank on another machine than rank 0's uploads its own."""
-    if remote is None:
+    if not isinstance(home, StoreRunDir):  # a folder holds the run as written
         return None
     on_main_machine = ctx.rank < ctx.local_world_size
     if not (ctx.is_main or (shards_in_files and not on_main_machine)):
         return None
-    return Uploader(remote, mirror, keep, speaks=ctx.is_main)
+    return Uploader(home, keep, speaks=ctx.is_main)
 
 
 class Uploader:
     """This rank's uploads to the store, in order, on a thread of their own."""
 
-    def __init__(self, remote: RemoteDir, mirror: Path, keep: int, speaks: bool = True) -> None:
+    def __init__(self, remote: StoreRunDir, keep: int, speaks: bool = True) -> None:
         """``speaks``: this rank prints the outage's lines and raises at the end (rank 0)."""
-        self.remote, self.mirror, self.keep, self.speaks = remote, Path(mirror), keep, speaks
-        self.target = Target(remote, self.mirror, keep)
+        self.remote, self.mirror, self.keep, self.speaks = remote, remote.local, keep, speaks
+        self.target = Target(remote, keep)
         self.queue: OrderedDict[str, Upload] = OrderedDict()
         self.cond = threading.Condition()
         self.closing = False
@@ -307,19 +310,19 @@ def mirror_is_ahead(mirror: Path) -> bool:
     return (Path(mirror) / LEDGER).is_file()
 
 
-def sync_up(remote: RemoteDir, mirror: Path, keep: int) -> int:
+def sync_up(remote: StoreRunDir, keep: int) -> int:
     """Upload what the mirror holds and the store lacks (the run files, model.pt, the newest
     ``keep`` snapshots newer than the store's newest), commit the snapshots, rotate the store and
     the mirror; the number of files uploaded.
     A mirror older than the store (another machine went on from the store since) uploads nothing."""
-    mirror = Path(mirror)
+    mirror = remote.local
     committed = remote.committed()
     newest_stored = snapshot_number(committed[-1]) if committed else -1
     local = files.list_snapshots(files.snapshot_dir(mirror))
     newest_local = files.snapshot_step(local[-1]) if local else -1
     sent = 0
     if newest_local >= newest_stored:
-        target = Target(remote, mirror, keep)  # the uploads, run here and now (no thread)
+        target = Target(remote, keep)  # the uploads, run here and now (no thread)
         for path in [p for p in local if files.snapshot_step(p) > newest_stored][-keep:]:
             sent += SnapshotUpload(f"snapshots/{path.name}", target).run()
         for name in (*RUN_FILES, *END_FILES):
