@@ -29,8 +29,8 @@ dev: $(VENV)/.installed-dev
 train: install
 	$(BIN)/ddptrain train
 
-test: dev lint
-	$(BIN)/pytest -q tests
+test: dev lint  # the 25 slowest tests listed at the end: where the suite's time goes
+	$(BIN)/pytest -q --durations=25 tests
 
 test-fast: dev  # the unit tests but the few slow ones: pure logic in this process, under 10 s
 	$(BIN)/pytest -q -m 'not slow' tests/unit
