@@ -70,6 +70,10 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
     home = RunDir.of(cfg.run_dir)
     home.check()  # a store's URL, client, credentials and bucket: one line, before any rank starts
     home.create()
+    if cfg.fault_tolerance == "torchft":  # the lighthouse answers: one line, before any rank starts
+        from .resilience.replicas import check_lighthouse
+
+        check_lighthouse(cfg)
     if cfg.resume not in ("auto", "never"):
         from .snapshots.restore import check_resume_path
         check_resume_path(cfg.resume)

@@ -88,6 +88,18 @@ def build_parser() -> OneLineParser:
                         "instead of the adapter alone")
     export.add_argument("--out", required=True, help="the file (safetensors, torch) or folder (hf) to write")
     export.add_argument("--force", action="store_true", help="replace --out if it exists")
+    lighthouse = commands.add_parser("lighthouse", help="torchft's lighthouse, which the replica groups of "
+                                     "--fault-tolerance torchft meet at each step (runs until stopped)")
+    lighthouse.add_argument("--bind", default="127.0.0.1:29510", metavar="HOST:PORT",
+                            help="where it listens (default: loopback only, 127.0.0.1:29510; 0.0.0.0:PORT for "
+                            "groups on other machines)")
+    lighthouse.add_argument("--min-replicas", type=int, default=1,
+                            help="the fewest replica groups that may train a step (default: 1, so any group "
+                            "trains on alone)")
+    lighthouse.add_argument("--heartbeat-timeout-ms", type=int, default=5000,
+                            help="how long a group may be silent before it counts as failed (default: 5000)")
+    lighthouse.add_argument("--join-timeout-ms", type=int, default=60000,
+                            help="how long a quorum waits for a group that is alive but late (default: 60000)")
     commands.add_parser("bench", help="benchmark ddptrain against hand-written DDP loops and peers "
                         "(see ddptrain bench --help)")
     return parser
@@ -206,7 +218,14 @@ def env_command(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": train, "env": env_command, "report": report, "export": export_command}
+def lighthouse_command(args: argparse.Namespace) -> int:
+    from .resilience.lighthouse import serve
+
+    return serve(args.bind, args.min_replicas, args.heartbeat_timeout_ms, args.join_timeout_ms)
+
+
+COMMANDS = {"train": train, "env": env_command, "report": report, "export": export_command,
+            "lighthouse": lighthouse_command}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,7 +52,7 @@ MATH_FIELDS = ("task", "seed", "lr", "optimizer", "momentum", "weight_decay", "l
 NOT_IDENTITY = ("run_dir", "resume", "max_epochs", "max_steps", "progress", "tensorboard", "tracker", "plot",
                 "log_ranks", "timeout", "max_restarts", "keep", "save_every", "save_seconds", "eval_every",
                 "eval_every_steps", "workers", "peak_tflops", "profile", "lean_cpu_memory", "keep_best",
-                "early_stop", "early_stop_delta", "ema", "ema_every")
+                "early_stop", "early_stop_delta", "ema", "ema_every", "lighthouse")
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,17 @@ class RunConfig:
     replicas: int | None = _opt("hsdp: the number of replica groups (the ranks split into that many groups "
                                 "of consecutive ranks, each holding the whole model sharded over its ranks); "
                                 "default: one per node", default=None)
+    fault_tolerance: str = _opt("torchft: this job is one replica group of --replica-groups; the groups average "
+                                "their gradients every step through torchft, and when one fails the others train "
+                                "on while it restarts and heals from a live peer (pip install 'ddptrain[ft]'; "
+                                "docs/fault-tolerance.md)", choices=("none", "torchft"), default="none")
+    replica_group: int = _opt("--fault-tolerance torchft: this job's replica group, 0 to --replica-groups - 1",
+                              default=0)
+    replica_groups: int = _opt("--fault-tolerance torchft: how many replica groups train the run (each a job "
+                               "of its own, with the same settings)", default=1)
+    lighthouse: str = _opt("--fault-tolerance torchft: the torchft lighthouse every group reaches, "
+                           "http://HOST:PORT (default: TORCHFT_LIGHTHOUSE; `ddptrain lighthouse` starts one)",
+                           default="")
     reshard_after_forward: bool = _opt("fsdp: free gathered parameters after the forward pass "
                                        "(less memory, one more all-gather in backward)", default=True)
     activation_checkpointing: bool = _opt("recompute each block's activations in backward "
@@ -202,8 +213,9 @@ class RunConfig:
         return list(dict.fromkeys(names))
 
     def global_batch(self, world_size: int) -> int:
-        """Samples per optimizer step over every rank: batch x ranks x accumulation."""
-        return self.batch_size * world_size * self.grad_accum
+        """Samples per optimizer step over every rank: batch x ranks x accumulation (x replica
+        groups under --fault-tolerance torchft, ``world_size`` being one group's)."""
+        return self.batch_size * world_size * self.grad_accum * self.replica_groups
 
     def with_run_dir(self) -> RunConfig:
         """This config with its run dir resolved: the given one, else ``default_run_dir``."""
@@ -318,6 +330,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.keep_best.strip():
         watched_metric(cfg.keep_best)
     _check_strategy_options(cfg)
+    _check_fault_tolerance(cfg)
     if cfg.tracker.strip() and any(not name.strip() for name in cfg.tracker.split(",")):
         raise ConfigError(f"--tracker {cfg.tracker!r}: an empty tracker name; give names separated by single "
                           f"commas, from {', '.join(TRACKERS)}")
@@ -328,6 +341,28 @@ def validate(cfg: RunConfig) -> None:
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         raise ConfigError(f"--resume {cfg.resume}: no such snapshot; "
                           "use auto, never, or the path of a snapshot")
+
+
+def _check_fault_tolerance(cfg: RunConfig) -> None:
+    if cfg.fault_tolerance == "none":
+        given = {"--replica-group": cfg.replica_group != 0, "--replica-groups": cfg.replica_groups != 1,
+                 "--lighthouse": bool(cfg.lighthouse)}
+        used = [name for name, set_ in given.items() if set_]
+        if used:
+            raise ConfigError(f"{used[0]} belongs to --fault-tolerance torchft; add it, or drop {used[0]}")
+        return
+    if cfg.replica_groups < 1:
+        raise ConfigError(f"--replica-groups must be at least 1, got {cfg.replica_groups}")
+    if not 0 <= cfg.replica_group < cfg.replica_groups:
+        raise ConfigError(f"--replica-group must be 0 to {cfg.replica_groups - 1} (--replica-groups "
+                          f"{cfg.replica_groups}), got {cfg.replica_group}")
+    if cfg.strategy != "ddp":
+        raise ConfigError(f"--fault-tolerance torchft works with --strategy ddp for now (this run's is "
+                          f"{cfg.strategy}); drop one of them")
+    import importlib.util
+
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError("--fault-tolerance torchft needs the torchft package; pip install 'ddptrain[ft]'")
 
 
 # DDP-only settings and the value that means "not used".

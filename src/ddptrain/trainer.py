@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .comm import DistContext, apply_step_timeout, sum_over_ranks
 from .config import RunConfig
 from .console import say
-from .data import EvalBatches, MicroBatch, StreamBatches, training_batches
+from .data import EvalBatches, MicroBatch, StreamBatches, is_stream, training_batches
 from .errors import ConfigError
 from .observe.evaluation import evaluate
 from .observe.metrics import (
@@ -43,6 +43,7 @@ from .parallel.base import ModelAndOptimizer, convert_sync_batchnorm, leaves_no_
 from .progress import Action, Cadence, Progress
 from .resilience.failures import STEP_NOTE
 from .resilience.guard import NonFiniteGuard, local_all_finite
+from .resilience.replicas import ReplicaGroups, data_context
 from .resilience.stop_signals import StopSignal
 from .run_dir import RunDir
 from .snapshots.best import BEST, best_model, write_best
@@ -105,7 +106,11 @@ class Trainer:
             if self.average is not None:
                 self.average.restart()
         cfg = self.cfg
-        self.batches = training_batches(task.train_set, cfg, ctx, task.collate_fn, self.cpu_group)
+        if cfg.fault_tolerance == "torchft" and is_stream(task.train_set):
+            raise ConfigError("--fault-tolerance torchft needs a map-style training set for now (a stream's "
+                              "shares cannot move between replica groups); drop one of them")
+        # (--fault-tolerance torchft: the data is shared over every replica group's ranks)
+        self.batches = training_batches(task.train_set, cfg, data_context(cfg, ctx), task.collate_fn, self.cpu_group)
         self.eval_batches = None if task.eval_set is None else EvalBatches(
             task.eval_set, cfg.batch_size, ctx.rank, ctx.world_size, self.device, cfg.workers, task.collate_fn,
             equal_counts=self.strategy.forward_syncs)
@@ -121,13 +126,16 @@ class Trainer:
         self.last_evaluation: dict[str, Any] = {}
         self.scheduler = build_schedule(self.optimizer, cfg, self.steps_per_epoch)
         self.ray = RayReports(str(self.cfg.run_dir), ctx.is_main)  # inside a Ray Train worker: reports to Ray
+        self.replicas = ReplicaGroups(cfg, ctx, lambda: self.checkpointer.state_dict(),
+                                      lambda state: self.checkpointer.load_state_dict(state),
+                                      self.reporter.info) if cfg.fault_tolerance == "torchft" else None
         self.checkpointer = Checkpointer(
             cfg, ctx, self.home, self.strategy, self.watchdog,
             weights=self.weights,
             states={"scheduler": SchedulerState(self.scheduler), "scaler": ScalerState(self.scaler),
                     # one table in the snapshot format: where the run is, the epoch's loss so far, skips
                     "progress": OneTable(self.progress, self.losses, self.grad_norms, self.guard,
-                                         *([self.best] if self.best is not None else []))},
+                                         *[part for part in (self.best, self.replicas) if part is not None])},
             per_rank={"data": self.batches} if isinstance(self.batches, StreamBatches) else {},
             start=self.start, group=self.cpu_group, uploads=self.uploads,
             on_committed=self.ray.committed if self.ray.active else None)
@@ -161,6 +169,8 @@ class Trainer:
             raise
         finally:
             self.profiler.close()
+            if self.replicas is not None:
+                self.replicas.close()
         if outcome == "preempted":
             self.reporter.close("stopped")
         self.stop_signal.close()
@@ -208,6 +218,8 @@ class Trainer:
             except Exception as error:  # the failure report names the step it happened in
                 error.add_note(f"{STEP_NOTE}{self.progress.global_step + 1}")
                 raise
+            if ended_by == "healed":  # the state is a live peer's: on from where it stands
+                continue
             if ended_by == "preempted":
                 self._save(last=True)
                 self.checkpointer.commit()
@@ -240,6 +252,8 @@ class Trainer:
             if action.save_now:
                 self._save()
         self.reporter.epoch_finished()
+        if self.replicas is not None and self.replicas.healed:
+            return "healed"
         ran_out = not action.leaves_epoch
         if ran_out and self.progress.step_in_epoch == 0:  # (a map-style set is never empty: checked)
             raise ConfigError(f"the training stream gave no sample in epoch {epoch}, on any rank; check its "
@@ -253,10 +267,13 @@ class Trainer:
         return "preempted" if action.stop else "done"
 
     def _train_step(self, steps: Iterator[list[tuple[Any, MicroBatch]]]) -> bool:
-        """The epoch's next step, if it has one (False: the epoch's data is over)."""
+        """The epoch's next step, if it has one (False: the epoch's data is over, or this replica
+        group healed from a peer and the epoch goes on where the peer's state stands)."""
+        if self.replicas is not None and self.replicas.begin_step(self.progress.global_step):
+            return False  # healed: this step goes on from the peer's position (its quorum is held)
         fetching = time.perf_counter()
         group = next(steps, None)
-        if group is None:
+        if group is None:  # (a quorum joined here is the next epoch's first step's)
             return False
         stepping = time.perf_counter()
         loss, step_samples = self._run_batch(group)
@@ -298,6 +315,8 @@ class Trainer:
         if count is None and step_samples != planned:  # a stream's short step
             self._scale_gradients(planned / step_samples)
             total = total * (planned / step_samples)
+        if self.replicas is not None:  # the other replica groups' gradients and losses
+            total = self.replicas.average(self._gradients(), total)
         total = total / self.ctx.world_size if count is None else self._divide_by_count(total, count)
         if self.scaler.is_enabled():  # fp16: the norm, the guard and clipping see the true gradients
             self.scaler.unscale_(self.optimizer)
@@ -305,6 +324,8 @@ class Trainer:
         self.grad_norms.add(gradients)
         # fp16's gradients overflow by design (the grad scaler skips those steps): the guard sees the loss
         if self.guard.skipping and not self.guard.step_is_finite(total, [] if self.scaler.is_enabled() else gradients):
+            if self.replicas is not None:  # every group skips it (the same averaged gradients): the quorum ends
+                self.replicas.commit(self.progress.global_step + 1, step_samples)
             self._step_scheduler()  # the schedule counts steps, taken or skipped
             return None, step_samples
         if self.first_step_unchecked:  # DDP names the parameters that got no gradient
@@ -312,6 +333,10 @@ class Trainer:
             self.first_step_unchecked = False
         if self.cfg.clip_grad:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
+        step = self.progress.global_step + 1
+        if self.replicas is not None and not self.replicas.commit(step, step_samples):  # a peer failed in it
+            self._step_scheduler()
+            return total, step_samples
         self.scaler.step(self.optimizer)
         self.scaler.update()
         if self.average is not None:
@@ -354,6 +379,9 @@ class Trainer:
         """``step_fn`` returned ``(sum, count)``: scale the gradients (averaged over the ranks by
         DDP/FSDP) to the sum's gradient over the step's count on every rank, found with one small
         all-reduce. Returns this rank's part of the step's mean loss."""
+        if self.replicas is not None:
+            raise ConfigError("--fault-tolerance torchft: step_fn returned (sum, count), whose count would be summed "
+                              "inside one replica group only; return a mean loss, or train without torchft")
         count = torch.as_tensor(local_count, dtype=torch.float64, device=self.device).detach().reshape(())
         if self.ctx.world_size > 1:
             with self.watchdog.waiting(COUNT_SYNC, self.progress.global_step + 1):
@@ -429,6 +457,8 @@ class Trainer:
         }
         if partial:
             record["partial"], record["ended_by"] = True, partial
+        if self.replicas is not None:  # what missing replica groups would have trained, so far
+            record["samples_skipped"] = self.replicas.samples_skipped
         skipped = self.guard.skipped_after(self.progress.global_step - self.progress.step_in_epoch)
         if skipped:
             record["skipped_steps"] = skipped

@@ -99,9 +99,12 @@ def test_runnable_block(index, block_results):
         assert_shows(result.stdout, shows, doc)
 
 
+SUBCOMMANDS = ("train", "env", "report", "bench", "lighthouse")
+
+
 def _ddptrain_args(words: list[str]) -> list[str] | None:
     for i, word in enumerate(words):
-        if word.endswith("ddptrain") and i + 1 < len(words) and words[i + 1] in ("train", "env", "report", "bench"):
+        if word.endswith("ddptrain") and i + 1 < len(words) and words[i + 1] in SUBCOMMANDS:
             return words[i + 1:]
     return None
 
@@ -117,7 +120,7 @@ def test_gpu_and_cluster_commands_parse(doc, command):
     args = _ddptrain_args(words)
     if args is None:
         return
-    if args[0] == "train":
+    if args[0] in ("train", "lighthouse"):
         parsed, unknown = build_parser().parse_known_args(args)
         assert not unknown, f"{doc}: `{command}`: ddptrain does not know {unknown}"
     assert _help_works(args[0])

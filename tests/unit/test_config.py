@@ -109,3 +109,25 @@ def test_one_setting_spelled_twice_in_a_settings_file_is_refused(tmp_path):
 def test_an_empty_tracker_name_is_one_line(given):
     with pytest.raises(ConfigError, match=r"^--tracker .*: an empty tracker name; give names separated by single"):
         prepare("regression", {"tracker": given})
+
+
+def test_torchft_replica_groups_share_the_data_and_count_in_the_global_batch():
+    from ddptrain.comm import DistContext
+    from ddptrain.config import validate
+    from ddptrain.resilience.replicas import data_context
+
+    cfg = RunConfig(fault_tolerance="torchft", replica_group=1, replica_groups=3, batch_size=4, grad_accum=2)
+    validate(cfg)
+    ctx = DistContext(rank=1, world_size=2, local_rank=1, local_world_size=2, device=torch.device("cpu"),
+                      backend="gloo")
+    data = data_context(cfg, ctx)
+    assert (data.rank, data.world_size) == (3, 6)  # group 1's rank 1 of 3 groups of 2
+    assert (data_context(RunConfig(), ctx).rank, data_context(RunConfig(), ctx).world_size) == (1, 2)
+    assert cfg.global_batch(2) == 4 * 2 * 2 * 3 and RunConfig(batch_size=4).global_batch(2) == 8
+    assert default_run_dir(cfg) != default_run_dir(dataclasses.replace(cfg, replica_group=0))  # a folder per group
+    for bad, message in ((dict(replica_groups=0), "--replica-groups must be at least 1"),
+                         (dict(replica_group=-1), "--replica-group must be 0 to 2"),
+                         (dict(fault_tolerance="none"), "--replica-group belongs to --fault-tolerance torchft"),
+                         (dict(strategy="hsdp"), "works with --strategy ddp for now")):
+        with pytest.raises(ConfigError, match=message):
+            validate(dataclasses.replace(cfg, **bad))

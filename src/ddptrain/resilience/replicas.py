@@ -1,0 +1,202 @@
+"""``--fault-tolerance torchft``: this job is one replica group of several, and a group that
+fails costs the others a few seconds, not a restart.
+
+Each replica group is a job of its own (``ddptrain train`` or torchrun, ``--replica-group G``
+of ``--replica-groups N``); inside it, DDP as always. Across the groups, torchft (PyTorch's
+per-step fault tolerance) does the rest, through a lighthouse every group reaches:
+
+- Every step starts by joining the step's quorum (``Manager.start_quorum``): the groups alive
+  now. A group that comes back (its launcher restarted it) is in a quorum again within a
+  step or two, and first receives the live state of a healthy peer (weights, optimizer,
+  where the run stands): it heals, without anyone reading a snapshot.
+- The gradients (after DDP's all-reduce inside the group) and the step's loss are averaged
+  over the groups of the quorum in one all-reduce of one flat buffer.
+- The optimizer steps only when every member agrees the step can be committed
+  (``should_commit``); a peer that failed during the step makes it a skipped step for all.
+
+The data is shared over ``N x W`` ranks (group G's rank r reads the share of rank G·W + r),
+so with every group present a step is exactly the step of one DDP job on N·W ranks. While a
+group is missing, a step is the mean over the groups present, and the samples the missing
+groups would have trained are counted (``samples_skipped``).
+
+torchft's own DDP wrapper is not used: when a peer dies during its all-reduce on gloo it
+ends the surviving group too (``assert fut._fut``); ``Manager.allreduce`` survives that.
+``use_async_quorum=False``: a heal is applied inside ``start_quorum``, before the step's
+forward, so the loop re-enters the epoch where the healed state stands.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import urllib.parse
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ..comm import DistContext
+from ..config import RunConfig
+from ..errors import ConfigError
+
+
+def quiet_torchft() -> None:
+    """torchft's Rust core logs a few INFO lines per step (quorums, commits) unless RUST_LOG says
+    otherwise: warnings only, before it is imported (RUST_LOG set by the user wins)."""
+    os.environ.setdefault("RUST_LOG", "warn")
+
+
+def lighthouse_address(cfg: RunConfig) -> str:
+    """``--lighthouse``, else TORCHFT_LIGHTHOUSE (``http://HOST:PORT``)."""
+    address = cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+    if not address:
+        raise ConfigError("--fault-tolerance torchft needs the lighthouse's address: give --lighthouse "
+                          "http://HOST:PORT or set TORCHFT_LIGHTHOUSE (ddptrain lighthouse starts one)")
+    return address if "://" in address else f"http://{address}"
+
+
+def check_lighthouse(cfg: RunConfig) -> None:
+    """Before any rank starts: the lighthouse answers at its address (one line if not)."""
+    address = lighthouse_address(cfg)
+    try:
+        where = urllib.parse.urlsplit(address)
+        socket.create_connection((where.hostname, where.port), timeout=5).close()
+    except (OSError, ValueError, TypeError):
+        raise ConfigError(f"--lighthouse {address}: no lighthouse answers there; start one (ddptrain "
+                          "lighthouse) or give its address") from None
+
+
+def data_context(cfg: RunConfig, ctx: DistContext) -> DistContext:
+    """The rank and world the training data is shared over: group G's rank r reads rank
+    G·W + r's share of N·W."""
+    import dataclasses
+
+    groups = cfg.replica_groups if cfg.fault_tolerance == "torchft" else 1
+    group = cfg.replica_group if cfg.fault_tolerance == "torchft" else 0
+    return dataclasses.replace(ctx, rank=group * ctx.world_size + ctx.rank, world_size=groups * ctx.world_size)
+
+
+class ReplicaGroups:
+    """This rank's part in the groups' per-step agreement (torchft's Manager)."""
+
+    def __init__(self, cfg: RunConfig, ctx: DistContext, state_dict: Callable[[], dict[str, Any]],
+                 load_state_dict: Callable[[dict[str, Any]], None], info: Callable[[str], None]) -> None:
+        quiet_torchft()
+        from torchft.process_group import ProcessGroupGloo
+
+        # torchft's PGTransport reads the received state with torch.frombuffer and torch's pytree
+        # in a form torch 2.13 deprecates: both warnings are torchft's, printed on every heal
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        warnings.filterwarnings("ignore", "`isinstance\\(treespec, LeafSpec\\)` is deprecated", FutureWarning)
+
+        self.groups, self.group, self.info = cfg.replica_groups, cfg.replica_group, info
+        self._load_state = load_state_dict
+        self.timeout_s = cfg.timeout
+        self.pg = ProcessGroupGloo(timeout=timedelta(seconds=cfg.timeout))
+        address = lighthouse_address(cfg)
+        try:
+            self.manager = self._manager(cfg, ctx, state_dict, address)
+        except RuntimeError as error:
+            if "failed to connect" not in str(error):
+                raise
+            raise ConfigError(f"--lighthouse {address}: no lighthouse answers there; start one (ddptrain "
+                              "lighthouse) or give its address") from None
+        self.present = self.groups  # the groups in the newest quorum
+        self.started = False
+        self.in_step = False  # a quorum is held for the next step (joined, not yet committed)
+        self.healed = False
+        self.samples_skipped = 0
+
+    def _manager(self, cfg: RunConfig, ctx: DistContext, state_dict: Callable[[], dict[str, Any]],
+                 address: str) -> Any:
+        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.manager import Manager
+
+        timeout = timedelta(seconds=cfg.timeout)
+        return Manager(
+            pg=self.pg, load_state_dict=self._healed, state_dict=state_dict, min_replica_size=1,
+            use_async_quorum=False, replica_id=f"group{cfg.replica_group}", lighthouse_addr=address,
+            rank=ctx.rank, world_size=ctx.world_size, timeout=timeout, quorum_timeout=timeout,
+            connect_timeout=timedelta(seconds=30),
+            # a recovering group receives the live state through the groups' own process group
+            checkpoint_transport=PGTransport(self.pg, timeout=timeout, device=ctx.device),
+            init_sync=False,  # ddptrain seeds the initial weights: every group starts with the same
+            hostname=os.environ.get("DDPTRAIN_FT_HOST") or socket.gethostname())
+
+    def _healed(self, state: dict[str, Any]) -> None:
+        self._load_state(state)
+        self.healed = True
+
+    def begin_step(self, step: int) -> bool:
+        """Join the quorum of the step after ``step`` (once: a quorum held from the end of an
+        epoch, or from a heal, is that step's); True when this group healed from a peer (its
+        state is the peer's now: the loop re-enters the epoch where it stands, and takes the
+        step with the others)."""
+        self.healed = False
+        if self.in_step:
+            return False
+        self.in_step = True
+        # torchft's step is ddptrain's: the group furthest on (after a whole-job restart from
+        # snapshots of different steps too) is the one the others heal from
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+        self.manager.start_quorum()
+        if step == 0 and not self.started and not self.healed:  # (a group that healed found the others)
+            self._wait_for_every_group()
+        self.started = True
+        present = self.manager.num_participants()
+        if self.healed:  # (the step it trains first with the others)
+            self.info(f"step {self.manager.current_step() + 1}: replica group {self.group} rejoined from a live peer "
+                      f"({present} of {self.groups} groups train)")
+        elif present != self.present:
+            change = "left" if present < self.present else "joined"
+            self.info(f"step {step + 1}: a replica group {change}; {present} of {self.groups} groups train on")
+        self.present = present
+        return self.healed
+
+    def _wait_for_every_group(self) -> None:
+        """A fresh start: no group trains before every group is in the quorum (a group that
+        started early would otherwise train alone, and the others heal from it)."""
+        deadline = time.monotonic() + self.timeout_s
+        while self.manager.num_participants() < self.groups:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"only {self.manager.num_participants()} of --replica-groups {self.groups} "
+                                  f"replica groups reached the lighthouse within --timeout {self.timeout_s:g} s; "
+                                  "start every group with the same --lighthouse, or lower --replica-groups")
+            time.sleep(0.1)
+            self.manager.start_quorum()
+
+    def average(self, gradients: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
+        """The gradients and the loss, averaged over the groups of the quorum in place (one
+        all-reduce of one flat buffer); returns the loss."""
+        dtype = gradients[0].dtype if gradients else loss.dtype
+        flat = torch.cat([g.reshape(-1) for g in gradients] + [loss.detach().reshape(1).to(dtype)])
+        self.manager.allreduce(flat).wait()
+        offset = 0
+        for gradient in gradients:
+            n = gradient.numel()
+            gradient.copy_(flat[offset:offset + n].view_as(gradient))
+            offset += n
+        return flat[offset].to(loss.dtype)
+
+    def commit(self, step: int, step_samples: int) -> bool:
+        """Whether step ``step`` may be taken (every member agrees); counts what missing groups
+        would have trained (``step_samples``: the step's samples over all N groups)."""
+        committed = bool(self.manager.should_commit())
+        self.in_step = False
+        if not committed:
+            self.info(f"step {step}: not taken (a replica group failed during it); its samples are skipped")
+        present = self.present if committed else 0
+        self.samples_skipped += step_samples * (self.groups - present) // self.groups
+        return committed
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"samples_skipped": self.samples_skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.samples_skipped = int(state.get("samples_skipped", 0))
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)

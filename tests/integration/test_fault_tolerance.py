@@ -1,0 +1,157 @@
+"""--fault-tolerance torchft: replica groups, each a real `ddptrain train` job of its own, meeting
+at a real torchft lighthouse on loopback; one group SIGKILLed while the other trains on."""
+
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.commands import (
+    BIN,
+    assert_ok,
+    assert_same_weights,
+    clean_env,
+    ddptrain_cli,
+    finish,
+    kill_tree,
+    load_model,
+    read_metrics,
+)
+
+pytestmark = pytest.mark.slow
+
+HEARTBEAT_MS = 2000  # the lighthouse's: a group silent this long counts as failed
+ARGS = ["--nproc", "1", "--fault-tolerance", "torchft", "--replica-groups", "2", "--batch-size", "16"]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def lighthouse():
+    """`ddptrain lighthouse` of this test's own (a group id of another test's never lingers in it)."""
+    port = _free_port()
+    server = subprocess.Popen([str(BIN / "ddptrain"), "lighthouse", "--bind", f"127.0.0.1:{port}",
+                               "--heartbeat-timeout-ms", str(HEARTBEAT_MS), "--join-timeout-ms", "1000"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        first = server.stdout.readline()  # type: ignore[union-attr]
+        assert first.startswith(f"ddptrain: lighthouse on http://127.0.0.1:{port}: give every replica group"), first
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        kill_tree(server)
+        server.wait()
+
+
+def _group(lighthouse: str, group: int, run_dir: Path, *extra: str, **env: str) -> subprocess.Popen:
+    """Group ``group``'s job; its output goes to a file beside its run dir (a pipe nobody reads
+    while the test waits for the other group would fill up and stall it)."""
+    args = [str(BIN / "ddptrain"), "train", *ARGS, "--lighthouse", lighthouse, "--replica-group", str(group),
+            "--run-dir", str(run_dir), *extra]
+    output = open(run_dir.with_name(run_dir.name + ".log"), "a")  # noqa: SIM115 - the process writes it
+    return subprocess.Popen(args, stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=clean_env(DDPTRAIN_FT_HOST="127.0.0.1", OMP_NUM_THREADS="1", **env))
+
+
+def _wait(process: subprocess.Popen, timeout: float = 240) -> str:
+    """Its output (the file's, this attempt's and earlier ones') once it ended, exit status 0."""
+    _, _, late = finish(process, timeout)
+    log = Path(process.args[process.args.index("--run-dir") + 1] + ".log").read_text()
+    assert not late and process.returncode == 0, f"rc {process.returncode}\n{log}"
+    return log
+
+
+def test_with_every_group_present_two_groups_are_one_ddp_job_on_their_ranks(lighthouse, tmp_path):
+    """Group G's rank reads rank G's share of 2: the same samples, the same steps as a 2-rank DDP
+    job; the groups' weights are bitwise equal to each other (one average, taken by both)."""
+    groups = [_group(lighthouse, g, tmp_path / f"group-{g}", "--max-epochs", "2", "--task", "regression")
+              for g in (0, 1)]
+    logs = [_wait(p) for p in groups]
+    assert_ok(ddptrain_cli("train", "--task", "regression", "--nproc", "2", "--batch-size", "16", "--max-epochs", "2",
+                           "--run-dir", str(tmp_path / "ddp")))
+    weights = [load_model(tmp_path / f"group-{g}") for g in (0, 1)]
+    assert_same_weights(weights[0], weights[1], exact=True)
+    assert_same_weights(weights[0], load_model(tmp_path / "ddp"), exact=True)
+    for g in (0, 1):
+        records = read_metrics(tmp_path / f"group-{g}")
+        assert [r["samples"] for r in records] == [2048, 2048]  # the whole set each epoch, over both groups
+        assert records[-1]["samples_skipped"] == 0
+        assert "not taken" not in logs[g]
+    ddp = read_metrics(tmp_path / "ddp")
+    assert [r["train_loss"] for r in records] == pytest.approx([r["train_loss"] for r in ddp], rel=1e-6)
+
+
+def _steps_alone(log: str) -> tuple[int, int, list[int]]:
+    """Group 0's own account: the step a group left at, the step it rejoined at, the steps not taken."""
+    left = [int(s) for s in re.findall(r"step (\d+): a replica group left; 1 of 2", log)]
+    joined = [int(s) for s in re.findall(r"step (\d+): a replica group joined; 2 of 2", log)]
+    failed = [int(s) for s in re.findall(r"step (\d+): not taken", log)]
+    assert len(left) == 1 and len(joined) == 1, log
+    return left[0], joined[0], failed
+
+
+def test_a_killed_group_leaves_the_other_training_and_rejoins_with_its_weights(lighthouse, tmp_path):
+    """Group 1 SIGKILLs itself at its 30th loss (after its snapshot of step 20); group 0 trains
+    on alone; group 1 is started again (the same command) once group 0 trained 15 steps more,
+    resumes from its snapshot and heals from group 0's live state (group 0 waits at its 70th
+    loss until the restarted job has started, so a slow start on a busy machine still finds it
+    training). Both end bitwise equal; group 0 never waited longer than the lighthouse's
+    heartbeat timeout and a little; samples_skipped counts what group 1 missed."""
+    steps, started = tmp_path / "group-0.steps", tmp_path / "group-1.started"
+    kill = {"KILL_RANK": "0", "KILL_STEP": "30", "KILL_MARKER": str(tmp_path / "killed"),
+            "KILL_ONCE_SAVED": str(tmp_path / "group-1" / "snapshots"), "STEP_SLEEP": "0.05"}
+    options = ("--task", "ft_tasks:kill_paced", "--max-epochs", "3", "--save-every", "10")
+    first = _group(lighthouse, 0, tmp_path / "group-0", *options, STEP_LOG=str(steps), STEP_SLEEP="0.05",
+                   HOLD_AT="70", HOLD_UNTIL=str(started))
+    second = _group(lighthouse, 1, tmp_path / "group-1", *options, **kill)
+    finish(second, 240)
+    assert second.returncode != 0 and (tmp_path / "killed").exists(), (tmp_path / "group-1.log").read_text()
+    killed_at = len(steps.read_text().splitlines())
+    deadline = time.monotonic() + 120
+    while len(steps.read_text().splitlines()) < killed_at + 15:  # group 0 trains on alone
+        assert first.poll() is None and time.monotonic() < deadline, "group 0 stopped training"
+        time.sleep(0.1)
+    again = _group(lighthouse, 1, tmp_path / "group-1", *options, STARTED=str(started), **kill)
+    try:
+        log0, log1 = _wait(first), _wait(again)
+    finally:
+        kill_tree(again)
+    left, joined, failed = _steps_alone(log0)
+    assert joined - left >= 10, log0
+    assert re.search(rf"step {joined}: replica group 1 rejoined from a live peer", log1), log1
+    assert "resumed from" in log1 and "step-000000020.pt" in log1  # its snapshot, then the peer's live state
+    assert_same_weights(load_model(tmp_path / "group-0"), load_model(tmp_path / "group-1"), exact=True)
+    skipped = [r["samples_skipped"] for r in read_metrics(tmp_path / "group-0")]
+    assert skipped[-1] == 16 * (joined - left) + 32 * len(failed), (skipped, left, joined, failed)
+    assert read_metrics(tmp_path / "group-1")[-1]["samples_skipped"] == skipped[-1]
+    times = [float(t) for t in steps.read_text().split()]
+    gaps = [b - a for n, (a, b) in enumerate(zip(times, times[1:]), start=2) if n != 70]  # (70: the test's wait)
+    assert max(gaps) < HEARTBEAT_MS / 1000 + 3, max(gaps)  # measured: 2.02-2.06 s
+
+
+def test_bad_torchft_settings_and_a_lighthouse_that_is_down_are_one_line(tmp_path):
+    for args, message in (
+        (["--replica-groups", "2"], "--replica-groups belongs to --fault-tolerance torchft"),
+        (["--fault-tolerance", "torchft", "--replica-groups", "2", "--replica-group", "2"],
+         "--replica-group must be 0 to 1 (--replica-groups 2), got 2"),
+        (["--fault-tolerance", "torchft", "--strategy", "fsdp"], "works with --strategy ddp for now"),
+        (["--fault-tolerance", "torchft"], "needs the lighthouse's address"),
+    ):
+        result = ddptrain_cli("train", "--run-dir", str(tmp_path / "run"), *args,
+                              env=clean_env(TORCHFT_LIGHTHOUSE=""))
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    down = f"http://127.0.0.1:{_free_port()}"
+    result = ddptrain_cli("train", "--nproc", "1", "--fault-tolerance", "torchft", "--lighthouse", down,
+                          "--run-dir", str(tmp_path / "run"), timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert f"ddptrain: error: --lighthouse {down}: no lighthouse answers there" in result.stderr
+    bad = ddptrain_cli("lighthouse", "--bind", "nowhere")
+    assert bad.returncode == 2
+    assert bad.stderr == "ddptrain: error: --bind nowhere: give HOST:PORT, e.g. 127.0.0.1:29510\n"
+
