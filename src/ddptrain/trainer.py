@@ -316,7 +316,7 @@ class Trainer:
             self._scale_gradients(planned / step_samples)
             total = total * (planned / step_samples)
         if self.replicas is not None:  # the other replica groups' gradients and losses
-            total = self.replicas.average(self._gradients(), total)
+            total = self.replicas.average(self._gradients(), total, self.progress.global_step + 1)
         total = total / self.ctx.world_size if count is None else self._divide_by_count(total, count)
         if self.scaler.is_enabled():  # fp16: the norm, the guard and clipping see the true gradients
             self.scaler.unscale_(self.optimizer)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ddptrain.observe.report import summarize
 from helpers.commands import (
     BIN,
     assert_ok,
@@ -89,8 +90,8 @@ def test_with_every_group_present_two_groups_are_one_ddp_job_on_their_ranks(ligh
 
 def _steps_alone(log: str) -> tuple[int, int, list[int]]:
     """Group 0's own account: the step a group left at, the step it rejoined at, the steps not taken."""
-    left = [int(s) for s in re.findall(r"step (\d+): a replica group left; 1 of 2", log)]
-    joined = [int(s) for s in re.findall(r"step (\d+): a replica group joined; 2 of 2", log)]
+    left = [int(s) for s in re.findall(r"step (\d+): replica group 1 left; 1 of 2 groups train on", log)]
+    joined = [int(s) for s in re.findall(r"step (\d+): replica group 1 joined; 2 of 2 groups train", log)]
     failed = [int(s) for s in re.findall(r"step (\d+): not taken", log)]
     assert len(left) == 1 and len(joined) == 1, log
     return left[0], joined[0], failed
@@ -130,6 +131,7 @@ def test_a_killed_group_leaves_the_other_training_and_rejoins_with_its_weights(l
     skipped = [r["samples_skipped"] for r in read_metrics(tmp_path / "group-0")]
     assert skipped[-1] == 16 * (joined - left) + 32 * len(failed), (skipped, left, joined, failed)
     assert read_metrics(tmp_path / "group-1")[-1]["samples_skipped"] == skipped[-1]
+    assert summarize(tmp_path / "group-0")["samples_skipped"] == skipped[-1]
     times = [float(t) for t in steps.read_text().split()]
     gaps = [b - a for n, (a, b) in enumerate(zip(times, times[1:]), start=2) if n != 70]  # (70: the test's wait)
     assert max(gaps) < HEARTBEAT_MS / 1000 + 3, max(gaps)  # measured: 2.02-2.06 s

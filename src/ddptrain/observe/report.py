@@ -251,6 +251,8 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     if best.is_file():
         kept = json.loads(best.read_text())
         summary[f"best_{kept['metric']}"], summary["best_step"] = kept["value"], kept["step"]
+    if epochs and "samples_skipped" in epochs[-1]:  # --fault-tolerance torchft: what missing groups missed
+        summary["samples_skipped"] = epochs[-1]["samples_skipped"]
     skipped = [step for r in epochs for step in r.get("skipped_steps", [])]
     if skipped:
         summary["skipped_steps"] = len(skipped)

@@ -104,7 +104,8 @@ class ReplicaGroups:
                 raise
             raise ConfigError(f"--lighthouse {address}: no lighthouse answers there; start one (ddptrain "
                               "lighthouse) or give its address") from None
-        self.present = self.groups  # the groups in the newest quorum
+        self.present = self.groups  # how many groups the newest quorum holds
+        self.members = set(range(self.groups))  # which: as the newest step's all-reduce found them
         self.started = False
         self.in_step = False  # a quorum is held for the next step (joined, not yet committed)
         self.healed = False
@@ -146,14 +147,10 @@ class ReplicaGroups:
         if step == 0 and not self.started and not self.healed:  # (a group that healed found the others)
             self._wait_for_every_group()
         self.started = True
-        present = self.manager.num_participants()
+        self.present = self.manager.num_participants()
         if self.healed:  # (the step it trains first with the others)
             self.info(f"step {self.manager.current_step() + 1}: replica group {self.group} rejoined from a live peer "
-                      f"({present} of {self.groups} groups train)")
-        elif present != self.present:
-            change = "left" if present < self.present else "joined"
-            self.info(f"step {step + 1}: a replica group {change}; {present} of {self.groups} groups train on")
-        self.present = present
+                      f"({self.present} of {self.groups} groups train)")
         return self.healed
 
     def _wait_for_every_group(self) -> None:
@@ -168,18 +165,34 @@ class ReplicaGroups:
             time.sleep(0.1)
             self.manager.start_quorum()
 
-    def average(self, gradients: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
-        """The gradients and the loss, averaged over the groups of the quorum in place (one
-        all-reduce of one flat buffer); returns the loss."""
+    def average(self, gradients: list[torch.Tensor], loss: torch.Tensor, step: int) -> torch.Tensor:
+        """The gradients and the loss of step ``step``, averaged over the groups of the quorum
+        in place (one all-reduce of one flat buffer, which also carries a slot per group: each
+        group sets its own, so the mean says which groups took part); returns the loss."""
         dtype = gradients[0].dtype if gradients else loss.dtype
-        flat = torch.cat([g.reshape(-1) for g in gradients] + [loss.detach().reshape(1).to(dtype)])
+        member = torch.zeros(self.groups, dtype=dtype, device=loss.device)
+        member[self.group] = 1.0
+        flat = torch.cat([g.reshape(-1) for g in gradients] + [loss.detach().reshape(1).to(dtype), member])
         self.manager.allreduce(flat).wait()
+        if self.manager.errored() is not None:  # a peer failed in it: the buffer means nothing, the
+            return loss  # step is not taken (commit), and this group's own loss is the record's
         offset = 0
         for gradient in gradients:
             n = gradient.numel()
             gradient.copy_(flat[offset:offset + n].view_as(gradient))
             offset += n
+        self._note_members({g for g, share in enumerate(flat[offset + 1:].tolist()) if share > 0}, step)
         return flat[offset].to(loss.dtype)
+
+    def _note_members(self, members: set[int], step: int) -> None:
+        """One line per group that left or joined since the previous step."""
+        if not members or members == self.members:  # (none: this step's all-reduce failed)
+            return
+        for group in sorted(self.members - members):
+            self.info(f"step {step}: replica group {group} left; {len(members)} of {self.groups} groups train on")
+        for group in sorted(members - self.members - {self.group}):
+            self.info(f"step {step}: replica group {group} joined; {len(members)} of {self.groups} groups train")
+        self.members = members
 
     def commit(self, step: int, step_samples: int) -> bool:
         """Whether step ``step`` may be taken (every member agrees); counts what missing groups
