@@ -1,4 +1,4 @@
-"""``ddptrain train | env | report | bench``: parse, validate, then launch or run as one rank.
+"""``ddptrain train | env | report | export | lighthouse | bench``: parse, validate, then launch or run as one rank.
 
 Every mistake in the input is one line on stderr and exit status 2, before any rank starts
 (or, when only the ranks can know it, before any training step).
