@@ -235,8 +235,11 @@ class RunConfig:
         return values
 
     def identity(self) -> dict[str, Any]:
-        """The settings that say which run this is (the default run dir is named after them)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in NOT_IDENTITY}
+        """The settings that say which run this is (the default run dir is named after them):
+        those set to other than their default, so a setting a later version adds, left at its
+        default, keeps every run's default run dir."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in NOT_IDENTITY and getattr(self, f.name) != f.default}
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)

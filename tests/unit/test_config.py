@@ -131,3 +131,8 @@ def test_torchft_replica_groups_share_the_data_and_count_in_the_global_batch():
                          (dict(strategy="hsdp"), "works with --strategy ddp for now")):
         with pytest.raises(ConfigError, match=message):
             validate(dataclasses.replace(cfg, **bad))
+
+
+def test_the_run_identity_holds_only_the_settings_given_so_new_settings_keep_old_run_dirs():
+    assert RunConfig(task="digits", lr=0.01, max_epochs=3).identity() == {"task": "digits", "lr": 0.01}
+    assert RunConfig().identity() == {} and RunConfig(seed=0).identity() == {}  # the default, given or not
