@@ -15,9 +15,10 @@ per-step fault tolerance) does the rest, through a lighthouse every group reache
   (``should_commit``); a peer that failed during the step makes it a skipped step for all.
 
 The data is shared over ``N x W`` ranks (group G's rank r reads the share of rank G·W + r),
-so with every group present a step is exactly the step of one DDP job on N·W ranks. While a
-group is missing, a step is the mean over the groups present, and the samples the missing
-groups would have trained are counted (``samples_skipped``).
+so with every group present a step trains the samples of one DDP job's step on N·W ranks, and
+takes their mean (bitwise that job's with groups of one rank; allclose with more, the sum in
+another order). While a group is missing, a step is the mean over the groups present, and
+the samples the missing groups would have trained are counted (``samples_skipped``).
 
 torchft's own DDP wrapper is not used: when a peer dies during its all-reduce on gloo it
 ends the surviving group too (``assert fut._fut``); ``Manager.allreduce`` survives that.
