@@ -24,6 +24,7 @@ launchers: not measured here yet.)
 import argparse
 import os
 import re
+import select
 import signal
 import socket
 import statistics
@@ -96,7 +97,10 @@ def torchft(folder: Path, kill: bool, kill_step: int, save_every: int) -> dict[s
         port = probe.getsockname()[1]
     lighthouse = subprocess.Popen([*DDPTRAIN, "lighthouse", "--bind", f"127.0.0.1:{port}", "--heartbeat-timeout-ms",
                                    "2000", "--join-timeout-ms", "1000"], stdout=subprocess.PIPE, env=_env(), text=True)
-    lighthouse.stdout.readline()  # type: ignore[union-attr]  # its first line: listening
+    if not select.select([lighthouse.stdout], [], [], 120)[0]:  # its first line: listening
+        lighthouse.kill()
+        raise SystemExit("ddptrain lighthouse printed nothing within 120 s")
+    lighthouse.stdout.readline()  # type: ignore[union-attr]
     ft = ["--fault-tolerance", "torchft", "--replica-groups", "2", "--lighthouse", f"http://127.0.0.1:{port}",
           "--nproc", "1", "--max-restarts", "1", "--save-every", str(save_every)]
     try:
@@ -119,7 +123,7 @@ def torchft(folder: Path, kill: bool, kill_step: int, save_every: int) -> dict[s
         return {"wall": wall, "steps": missed, "gap": _longest_gap(log)}
     finally:
         lighthouse.terminate()
-        lighthouse.wait()
+        lighthouse.wait(timeout=30)
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 at a real torchft lighthouse on loopback; one group SIGKILLed while the other trains on."""
 
 import re
+import select
 import socket
 import subprocess
 import time
@@ -46,12 +47,14 @@ def lighthouse(request):
                                "--join-timeout-ms", "1000"],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
+        ready, _, _ = select.select([server.stdout], [], [], 120)  # its first line, or the test fails
+        assert ready, "ddptrain lighthouse printed nothing within 120 s"
         first = server.stdout.readline()  # type: ignore[union-attr]
         assert first.startswith(f"ddptrain: lighthouse on http://127.0.0.1:{port}: give every replica group"), first
         yield f"http://127.0.0.1:{port}"
     finally:
         kill_tree(server)
-        server.wait()
+        server.wait(timeout=30)
 
 
 def _group(lighthouse: str, group: int, run_dir: Path, *extra: str, **env: str) -> subprocess.Popen:

@@ -28,6 +28,7 @@ forward, so the loop re-enters the epoch where the healed state stands.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -73,8 +74,6 @@ def check_lighthouse(cfg: RunConfig) -> None:
 def data_context(cfg: RunConfig, ctx: DistContext) -> DistContext:
     """The rank and world the training data is shared over: group G's rank r reads rank
     G·W + r's share of N·W."""
-    import dataclasses
-
     groups = cfg.replica_groups if cfg.fault_tolerance == "torchft" else 1
     group = cfg.replica_group if cfg.fault_tolerance == "torchft" else 0
     return dataclasses.replace(ctx, rank=group * ctx.world_size + ctx.rank, world_size=groups * ctx.world_size)
