@@ -11,14 +11,18 @@ itself at --kill-step, once.
 
 - restart: `ddptrain train --nproc 2 --max-restarts 1 --save-every N`: every rank restarts and
   resumes from the newest snapshot, and repeats the steps since it.
+- elastic: `torchrun --nnodes 1:2 --nproc-per-node 1` twice on loopback (two "nodes" of one
+  rank, c10d rendezvous, `--max-restarts 1`, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 as
+  docs/multinode.md says); the killed node's agent dies with its rank (the node is gone and
+  stays gone): the other node's rank restarts alone at the next rendezvous, resumes from the
+  newest snapshot with the same global batch, and repeats the steps since it.
 - torchft: 2 replica groups of 1 rank (`ddptrain lighthouse`, heartbeat timeout 2 s), the
   killed group restarted by its own `--max-restarts 1`; the other trains on.
 
 Per failure: the seconds the job lost (its wall time against the same job uninterrupted, the
 healthy group's for torchft), the steps redone (restart) or missed by the failed group
 (torchft), and the longest wait between two of rank 0's (group 0's) steps. Medians over the
-repetitions, ranges beside them. (The elastic path, `--nnodes 1:2`, needs two nodes'
-launchers: not measured here yet.)
+repetitions, ranges beside them.
 """
 
 import argparse
@@ -39,17 +43,21 @@ from ddptrain.tasks import regression_task
 
 BENCH = Path(__file__).resolve().parent
 DDPTRAIN = [sys.executable, "-m", "ddptrain"]
+STEPS = 192  # 6 epochs of 32
 JOB = ["--task", "fault_tolerance:paced", "--max-epochs", "6", "--batch-size", "32", "--save-seconds", "0"]
 
 
 def paced(cfg) -> Task:
     """The job's task (run by the ranks): regression, each loss STEP_SLEEP s later, rank 0's
-    times in STEP_LOG; rank KILL_RANK SIGKILLs itself at its KILL_STEP-th loss once (KILL_MARKER)."""
+    times in STEP_LOG; rank KILL_RANK SIGKILLs itself at its KILL_STEP-th loss once (KILL_MARKER),
+    with KILL_NODE its whole process group (a torchrun agent started in a session of its own)."""
     time.sleep(float(os.environ.get("STARTUP_S", "0")))
     task = regression_task(cfg)
     rank, pause = int(os.environ["RANK"]), float(os.environ.get("STEP_SLEEP", "0.02"))
     log, marker = os.environ.get("STEP_LOG"), Path(os.environ.get("KILL_MARKER", "/nonexistent"))
-    kill_at = int(os.environ.get("KILL_STEP", "0")) if rank == int(os.environ.get("KILL_RANK", "-1")) else 0
+    killed = os.environ.get("KILL_RANK") in (str(rank), "any")  # any: whichever rank this process is
+    kill_at = int(os.environ.get("KILL_STEP", "0")) if killed else 0
+    victim = os.getpgid(0) if os.environ.get("KILL_NODE") else 0  # the node: its agent's process group
     calls = {"n": 0}
     loss_fn = task.loss_fn
 
@@ -58,6 +66,8 @@ def paced(cfg) -> Task:
         time.sleep(pause)
         if calls["n"] == kill_at and not marker.exists():
             marker.write_text("killed")
+            if victim:
+                os.killpg(victim, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         if log and rank == 0:
             with open(log, "a") as out:
@@ -91,10 +101,44 @@ def restart(folder: Path, kill: bool, kill_step: int, save_every: int) -> dict[s
     return {"wall": wall, "steps": redone, "gap": _longest_gap(log)}
 
 
-def torchft(folder: Path, kill: bool, kill_step: int, save_every: int) -> dict[str, float]:
+def elastic(folder: Path, kill: bool, kill_step: int, save_every: int) -> dict[str, float]:
+    log, port = folder / "steps", _free_port()
+    env = _env(STEP_LOG=str(log), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    doomed = {"KILL_RANK": "any", "KILL_STEP": str(kill_step), "KILL_NODE": "1",
+              "KILL_MARKER": str(folder / "killed")} if kill else {}
+
+    def node(host: bool) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1",
+             "--monitor-interval=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=bench",
+             f"--rdzv-conf=is_host={int(host)},last_call_timeout=2", "-m", "ddptrain", "train", *JOB,
+             "--save-every", str(save_every), "--run-dir", str(folder / "run")],
+            env={**env, **({} if host else doomed)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)  # a process group per node: KILL_NODE takes the agent with its rank
+
+    started = time.perf_counter()
+    nodes = [node(host=True), node(host=False)]
+    try:
+        if nodes[0].wait(timeout=600) != 0:
+            raise SystemExit(f"elastic: the first node's torchrun exited {nodes[0].returncode}")
+        wall = time.perf_counter() - started
+    finally:
+        for agent in nodes:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    redone = kill_step - (kill_step - 1) // save_every * save_every - 1 if kill else 0
+    return {"wall": wall, "steps": redone, "gap": _longest_gap(log)}
+
+
+def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+        return probe.getsockname()[1]
+
+
+def torchft(folder: Path, kill: bool, kill_step: int, save_every: int) -> dict[str, float]:
+    port = _free_port()
     lighthouse = subprocess.Popen([*DDPTRAIN, "lighthouse", "--bind", f"127.0.0.1:{port}", "--heartbeat-timeout-ms",
                                    "2000", "--join-timeout-ms", "1000"], stdout=subprocess.PIPE, env=_env(), text=True)
     if not select.select([lighthouse.stdout], [], [], 120)[0]:  # its first line: listening
@@ -119,7 +163,8 @@ def torchft(folder: Path, kill: bool, kill_step: int, save_every: int) -> dict[s
         groups[1].communicate()
         left = re.findall(r"step (\d+): replica group 1 left", first)
         joined = re.findall(r"step (\d+): replica group 1 joined", first)
-        missed = int(joined[0]) - int(left[0]) if left and joined else 0
+        # (a group that comes back after the other finished never rejoins: it missed the rest)
+        missed = (int(joined[0]) if joined else STEPS) - int(left[0]) if left else 0
         return {"wall": wall, "steps": missed, "gap": _longest_gap(log)}
     finally:
         lighthouse.terminate()
@@ -136,7 +181,7 @@ def main() -> None:
     os.environ["STARTUP_S"] = str(args.startup_s)
     results: dict[tuple[str, bool], list[dict[str, float]]] = {}
     for rep in range(args.reps):
-        for name, run in (("restart", restart), ("torchft", torchft)):
+        for name, run in (("restart", restart), ("elastic", elastic), ("torchft", torchft)):
             for kill in (False, True):
                 with tempfile.TemporaryDirectory() as folder:
                     results.setdefault((name, kill), []).append(run(Path(folder), kill, args.kill_step,
@@ -146,11 +191,11 @@ def main() -> None:
     def spread(values: list[float]) -> str:
         return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
-    print(f"one failure at step {args.kill_step} of 192, snapshots every {args.save_every} steps, a start "
+    print(f"one failure at step {args.kill_step} of {STEPS}, snapshots every {args.save_every} steps, a start "
           f"{args.startup_s:g} s longer, {args.reps} repetition(s); seconds: median (range)")
     print(f"{'':10} {'wall, uninterrupted':>22} {'wall, one failure':>22} {'lost per failure':>22} "
           f"{'steps redone/missed':>20} {'longest wait':>18}")
-    for name in ("restart", "torchft"):
+    for name in ("restart", "elastic", "torchft"):
         calm, hit = results[(name, False)], results[(name, True)]
         lost = [h["wall"] - c["wall"] for c, h in zip(calm, hit)]
         print(f"{name:10} {spread([c['wall'] for c in calm]):>22} {spread([h['wall'] for h in hit]):>22} "

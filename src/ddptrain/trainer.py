@@ -31,6 +31,7 @@ from .observe.metrics import (
     memory_record,
     model_state_mb,
     peak_rss_mb,
+    return_free_memory,
     timing_record,
 )
 from .observe.ray_train import RayReports
@@ -153,13 +154,15 @@ class Trainer:
         self.first_step_unchecked = True  # the strategy checks the first step's gradients
 
     # --- the loop ------------------------------------------------------------------------------
-    def fit(self) -> str:
+    def fit(self, *, exiting: bool = False) -> str:
         """Train to ``max_epochs`` or ``max_steps``: ``"finished"``, ``"preempted"`` after a stop
-        signal, or ``"already_finished"`` when the run dir holds a run that ended there."""
+        signal, or ``"already_finished"`` when the run dir holds a run that ended there.
+        ``exiting``: the process ends after this call (``ddptrain train``'s ranks), so the
+        optimizer's state, once in the last snapshot, is freed before model.pt is gathered."""
         self.stop_signal.listen()
         self.profiler.start()
         try:
-            outcome = self._fit()
+            outcome = self._fit(exiting)
         except BaseException:
             self.stop_signal.close(wait=False)  # a peer may never answer: leave at once
             self.checkpointer.close(wait=False)
@@ -190,7 +193,7 @@ class Trainer:
             self.checkpointer.retarget(self.cfg, SchedulerState(self.scheduler))
         return self.fit()
 
-    def _fit(self) -> str:
+    def _fit(self, exiting: bool) -> str:
         if self.checkpointer.resume():
             if self.cadence.done() and self.cfg.epochs > 0:
                 return "already_finished"
@@ -226,7 +229,7 @@ class Trainer:
                 return "preempted"
         if self.best is not None and self.best.stopped:
             self.reporter.info(f"ddptrain: {self.best.stop_line()}; best model: {self.run_dir / BEST / 'model.pt'}")
-        self._finish()
+        self._finish(exiting)
         return "finished"
 
     def _run_epoch(self, epoch: int) -> str:
@@ -556,11 +559,17 @@ class Trainer:
         self._share_buffers(self.progress.global_step)
         self.checkpointer.save(self.progress.global_step, last=last)
 
-    def _finish(self) -> None:
+    def _finish(self, exiting: bool) -> None:
         self._save(last=True)
         self.checkpointer.commit()
         self._share_buffers(self.progress.global_step)  # (a no-op when _save just did it: rare)
-        self.optimizer.zero_grad(set_to_none=True)  # spent: their room is model.pt's (gathered whole on rank 0)
+        # Spent: their room is model.pt's, gathered whole on rank 0 (under fsdp, without this
+        # the end of a run peaked above training: rank 0 held its shards, their Adam moments
+        # and the whole model at once). The optimizer's state is in the snapshot just committed.
+        self.optimizer.zero_grad(set_to_none=True)
+        if exiting:
+            self.optimizer.state.clear()
+            return_free_memory()  # the moments' blocks are shards: the whole tensors cannot reuse them
         weights = self.strategy.full_model_state(self.module)  # every rank helps under fsdp
         if weights is not None:
             atomic_save(weights, self.run_dir / "model.pt")

@@ -108,18 +108,22 @@ def _steps_alone(log: str) -> tuple[int, int, list[int]]:
 
 
 @pytest.mark.heartbeat_ms(HEARTBEAT_MS)
-def test_a_killed_group_leaves_the_other_training_and_rejoins_with_its_weights(lighthouse, tmp_path):
-    """Group 1 SIGKILLs itself at its 30th loss (after its snapshot of step 20); group 0 trains
-    on alone; group 1 is started again (the same command) once group 0 trained 15 steps more,
-    resumes from its snapshot and heals from group 0's live state (group 0 waits at its 70th
-    loss until the restarted job has started, so a slow start on a busy machine still finds it
-    training). Both end bitwise equal; group 0 never waited longer than the lighthouse's
-    heartbeat timeout and 4 s (2.02-2.06 s measured with a 2 s timeout; 3 s here, for a busy
-    machine); samples_skipped counts what group 1 missed."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_killed_group_leaves_the_other_training_and_rejoins_with_its_weights(lighthouse, tmp_path, ranks):
+    """Group 1's rank 0 SIGKILLs itself at its 30th loss (after its snapshot of step 20; with 2
+    ranks a group, ddptrain's launcher then stops the group's other rank); group 0 trains on
+    alone; group 1 is started again (the same command) once group 0 trained 15 steps more,
+    resumes from its snapshot and heals from group 0's live state, each rank from its peer rank
+    (group 0 waits at its 70th loss until the restarted job has started, so a slow start on a
+    busy machine still finds it training). Both end bitwise equal; group 0 never waited longer
+    than the lighthouse's heartbeat timeout and 4 s (2.02-2.06 s measured with a 2 s timeout; 3 s
+    here, for a busy machine); samples_skipped counts what group 1 missed."""
     steps, started = tmp_path / "group-0.steps", tmp_path / "group-1.started"
     kill = {"KILL_RANK": "0", "KILL_STEP": "30", "KILL_MARKER": str(tmp_path / "killed"),
             "KILL_ONCE_SAVED": str(tmp_path / "group-1" / "snapshots"), "STEP_SLEEP": "0.05"}
-    options = ("--task", "ft_tasks:kill_paced", "--max-epochs", "3", "--save-every", "10", "--nproc", "1")
+    # 96 steps either way: 2,048 samples in steps of 16 x ranks x 2 groups
+    options = ("--task", "ft_tasks:kill_paced", "--max-epochs", str(3 * ranks), "--save-every", "10",
+               "--nproc", str(ranks))
     first = _group(lighthouse, 0, tmp_path / "group-0", *options, STEP_LOG=str(steps), STEP_SLEEP="0.05",
                    HOLD_AT="70", HOLD_UNTIL=str(started))
     second = _group(lighthouse, 1, tmp_path / "group-1", *options, **kill)
@@ -141,12 +145,73 @@ def test_a_killed_group_leaves_the_other_training_and_rejoins_with_its_weights(l
     assert "resumed from" in log1 and "step-000000020.pt" in log1  # its snapshot, then the peer's live state
     assert_same_weights(load_model(tmp_path / "group-0"), load_model(tmp_path / "group-1"), exact=True)
     skipped = [r["samples_skipped"] for r in read_metrics(tmp_path / "group-0")]
-    assert skipped[-1] == 16 * (joined - left) + 32 * len(failed), (skipped, left, joined, failed)
+    group_step = 16 * ranks  # the samples one group trains in a step; a step not taken loses both groups'
+    assert skipped[-1] == group_step * (joined - left) + 2 * group_step * len(failed), (skipped, left, joined, failed)
     assert read_metrics(tmp_path / "group-1")[-1]["samples_skipped"] == skipped[-1]
     assert summarize(tmp_path / "group-0")["samples_skipped"] == skipped[-1]
     times = [float(t) for t in steps.read_text().split()]
     gaps = [b - a for n, (a, b) in enumerate(zip(times, times[1:]), start=2) if n != 70]  # (70: the test's wait)
     assert max(gaps) < HEARTBEAT_MS / 1000 + 4, max(gaps)  # measured: the heartbeat timeout and 0.02-0.06 s
+
+
+def _resumed_step(log: str) -> int:
+    found = re.findall(r"resumed from \S*step-(\d+)\.pt", log)
+    assert found, log
+    return int(found[-1])
+
+
+@pytest.mark.heartbeat_ms(HEARTBEAT_MS)
+def test_a_whole_job_restart_from_snapshots_of_different_steps_heals_the_group_behind(lighthouse, tmp_path):
+    """Group 1 SIGKILLed at its 35th loss (after a snapshot: step 30 as a rule), group 0 at its
+    55th (step 50), alone by then; both started again, group 1 first. Group 1 must wait for
+    group 0 rather than train alone from its older snapshot (group 0 would then heal from it and
+    lose its steps 31-50): it heals from group 0's state, and both end bitwise equal."""
+    options = ("--task", "ft_tasks:kill_paced", "--max-epochs", "3", "--save-every", "10", "--nproc", "1")
+
+    def start(group: int, kill_step: int, **env: str) -> subprocess.Popen:
+        return _group(lighthouse, group, tmp_path / f"group-{group}", *options, KILL_RANK="0",
+                      KILL_STEP=str(kill_step), KILL_MARKER=str(tmp_path / f"killed-{group}"),
+                      KILL_ONCE_SAVED=str(tmp_path / f"group-{group}" / "snapshots"), STEP_SLEEP="0.05", **env)
+
+    first = [start(0, 55), start(1, 35)]
+    for group, process in enumerate(first):
+        finish(process, 240)
+        assert process.returncode != 0 and (tmp_path / f"killed-{group}").exists(), process.returncode
+    started = tmp_path / "group-1.started"
+    behind = start(1, 35, STARTED=str(started))  # (the markers are there: no kill this time)
+    deadline = time.monotonic() + 120
+    while not started.exists():
+        assert behind.poll() is None and time.monotonic() < deadline, "group 1 did not start again"
+        time.sleep(0.1)
+    time.sleep(2)  # group 1 at the lighthouse first, alone
+    ahead = start(0, 55)
+    try:
+        log1, log0 = _wait(behind), _wait(ahead)
+    finally:
+        kill_tree(behind)
+        kill_tree(ahead)
+    step0, step1 = _resumed_step(log0), _resumed_step(log1)
+    assert step1 < step0, (step0, step1)
+    assert re.search(rf"step {step0 + 1}: replica group 1 rejoined from a live peer", log1), log1
+    assert "replica group 0 rejoined" not in log0, log0
+    assert_same_weights(load_model(tmp_path / "group-0"), load_model(tmp_path / "group-1"), exact=True)
+    for group in (0, 1):
+        assert [r["epoch"] for r in read_metrics(tmp_path / f"group-{group}")] == [0, 1, 2]
+
+
+def test_a_group_resumed_alone_after_the_others_finished_waits_then_trains_on(lighthouse, tmp_path):
+    """Both groups train 10 steps and stop; group 1 alone is then asked for 10 more. Its resumed
+    start waits for the other group (at most --timeout, here 5 s, or 60 s), says so in one line
+    and trains on alone rather than failing: the others may have finished, or be gone."""
+    options = ("--task", "regression", "--nproc", "1", "--save-every", "10")
+    pair = [_group(lighthouse, g, tmp_path / f"group-{g}", *options, "--max-steps", "10") for g in (0, 1)]
+    for process in pair:
+        _wait(process)
+    started = time.monotonic()
+    log = _wait(_group(lighthouse, 1, tmp_path / "group-1", *options, "--max-steps", "20", "--timeout", "5"))
+    assert "only 1 of 2 replica groups reached the lighthouse within 5 s of this resumed start; training on" in log, log
+    assert time.monotonic() - started < 120
+    assert read_metrics(tmp_path / "group-1")[-1]["step"] == 20
 
 
 def test_bad_torchft_settings_and_a_lighthouse_that_is_down_are_one_line(tmp_path):

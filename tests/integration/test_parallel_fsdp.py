@@ -104,8 +104,10 @@ def test_fsdp_at_default_settings_peaks_well_below_ddp_on_a_34m_parameter_mlp(tm
     everything the suite imported before, and measure that too), so the command re-executes itself
     under mimalloc as a user's does (launch/allocator.py). The control, fsdp under glibc's
     allocator (DDPTRAIN_ALLOCATOR=system), peaks above ddp: the default is what holds it down.
-    The end of a run (its last snapshot, model.pt) adds at most what model.pt holds: the last
-    snapshot is written without a copy of the state (it used to add the whole state: ddp 1.46x)."""
+    The end of a run (its last snapshot, model.pt) adds nothing to the training peak: the last
+    snapshot is written without a copy of the state (that used to add the whole state: ddp
+    1.46x), and the optimizer's state is freed, its pages given back, before fsdp gathers the
+    whole model on rank 0 (that used to add 65-95 MB under fsdp)."""
     peaks, life = {}, {}
     for name, strategy, env in (("ddp", "ddp", {}), ("fsdp", "fsdp", {}),
                                 ("fsdp-glibc", "fsdp", {"DDPTRAIN_ALLOCATOR": "system"})):
@@ -119,11 +121,11 @@ def test_fsdp_at_default_settings_peaks_well_below_ddp_on_a_34m_parameter_mlp(tm
     state = {s: peaks[s]["model_state_mb"]["max"] for s in peaks}
     rss = {s: peaks[s]["peak_rss_mb"]["max"] for s in peaks}
     assert 500 < state["ddp"] < 560 and state["fsdp"] < 0.55 * state["ddp"], state  # ~34M x 4 B x 4 (AdamW)
-    # Measured 0.71-0.72x ddp's peak during training; the issue's 0.7 is not met (README: FSDP).
+    # Measured 0.73x ddp's peak (0.70x with MIMALLOC_PURGE_DELAY=10); the issue's 0.7 is not met (README: FSDP).
     assert rss["fsdp"] <= 0.75 * rss["ddp"], rss
     assert rss["fsdp-glibc"] > 0.8 * rss["ddp"], rss  # what the allocator saves (1.1-1.3 GB measured)
     model_mb = state["ddp"] / 4  # the whole weights: what model.pt holds on rank 0
-    assert life["ddp"] <= rss["ddp"] + 0.5 * model_mb and life["fsdp"] <= rss["fsdp"] + 1.5 * model_mb, (life, rss)
+    assert all(life[s] <= rss[s] + 0.1 * model_mb for s in life), (life, rss)  # (+0.4 MB measured)
 
 
 @pytest.mark.slow

@@ -202,7 +202,7 @@ def train(task: Task, cfg: RunConfig, ctx: DistContext) -> tuple[str, tuple[int,
     in this frame only: it (and DDP's reducer, which holds the process group) must be gone
     before the group is left, or interpreter exit can deadlock in gloo (DESIGN.md's pitfalls)."""
     trainer = Trainer(task, cfg, ctx)
-    status = trainer.fit()
+    status = trainer.fit(exiting=True)  # nothing uses the trainer after: its end may free the optimizer
     return status, (trainer.progress.epoch, trainer.progress.global_step)
 
 

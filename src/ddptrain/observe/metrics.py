@@ -135,6 +135,19 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def return_free_memory() -> None:
+    """Hand the C allocator's free pages back to the OS now (mimalloc's ``mi_collect``, glibc's
+    ``malloc_trim``), before a large allocation of another shape: freed blocks that it cannot
+    reuse would otherwise stay resident beside it (mimalloc purges after a delay of 1 s)."""
+    import ctypes
+
+    process = ctypes.CDLL(None)  # the allocator this process runs under, preloaded or glibc's
+    if hasattr(process, "mi_collect"):
+        process.mi_collect(ctypes.c_bool(True))
+    elif hasattr(process, "malloc_trim"):
+        process.malloc_trim(0)
+
+
 def model_state_mb(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, extra_bytes: int = 0) -> float:
     """Parameters, gradients and optimizer state held by this rank (its shards under fsdp), and
     ``extra_bytes`` (--ema's average)."""

@@ -44,6 +44,8 @@ from ..comm import DistContext
 from ..config import RunConfig
 from ..errors import ConfigError
 
+RESUMED_WAIT_S = 60.0  # a resumed start's wait for the other groups (a whole-job restart's are not far behind)
+
 
 def quiet_torchft() -> None:
     """torchft's Rust core logs a few INFO lines per step (quorums, commits) unless RUST_LOG says
@@ -144,8 +146,8 @@ class ReplicaGroups:
         # snapshots of different steps too) is the one the others heal from
         self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
         self.manager.start_quorum()
-        if step == 0 and not self.started and not self.healed:  # (a group that healed found the others)
-            self._wait_for_every_group()
+        if not self.started and not self.healed:  # (a group that healed found the others)
+            self._wait_for_every_group(resumed=step > 0)
         self.started = True
         self.present = self.manager.num_participants()
         if self.healed:  # (the step it trains first with the others)
@@ -153,11 +155,23 @@ class ReplicaGroups:
                       f"({self.present} of {self.groups} groups train)")
         return self.healed
 
-    def _wait_for_every_group(self) -> None:
-        """A fresh start: no group trains before every group is in the quorum (a group that
-        started early would otherwise train alone, and the others heal from it)."""
-        deadline = time.monotonic() + self.timeout_s
+    def _wait_for_every_group(self, resumed: bool) -> None:
+        """The job's start: no group trains before every group is in the quorum. A group that
+        started early would otherwise train alone, and the others heal from it; after a
+        whole-job restart (snapshots of different steps) that could be the group whose snapshot
+        is the oldest, and the steps the others had taken since would be lost. A fresh start
+        waits up to --timeout, then fails; a resumed one up to RESUMED_WAIT_S, then trains on
+        with the groups there (the others may have finished, or be gone for good: they heal from
+        it when they come). A group restarted alone while the others train heals in its first
+        quorum and does not wait."""
+        wait_s = min(self.timeout_s, RESUMED_WAIT_S) if resumed else self.timeout_s
+        deadline = time.monotonic() + wait_s
         while self.manager.num_participants() < self.groups:
+            if time.monotonic() > deadline and resumed:
+                self.info(f"ddptrain: only {self.manager.num_participants()} of {self.groups} replica groups reached "
+                          f"the lighthouse within {wait_s:g} s of this resumed start; training on with them (the "
+                          "others heal from them when they come)")
+                return
             if time.monotonic() > deadline:
                 raise ConfigError(f"only {self.manager.num_participants()} of --replica-groups {self.groups} "
                                   f"replica groups reached the lighthouse within --timeout {self.timeout_s:g} s; "
