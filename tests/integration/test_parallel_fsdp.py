@@ -107,7 +107,7 @@ def test_fsdp_at_default_settings_peaks_well_below_ddp_on_a_34m_parameter_mlp(tm
     The end of a run (its last snapshot, model.pt) adds nothing to the training peak: the last
     snapshot is written without a copy of the state (that used to add the whole state: ddp
     1.46x), and the optimizer's state is freed, its pages given back, before fsdp gathers the
-    whole model on rank 0 (that used to add 65-95 MB under fsdp)."""
+    whole model on rank 0 (without that, fsdp's end added 65 MB here)."""
     peaks, life = {}, {}
     for name, strategy, env in (("ddp", "ddp", {}), ("fsdp", "fsdp", {}),
                                 ("fsdp-glibc", "fsdp", {"DDPTRAIN_ALLOCATOR": "system"})):
