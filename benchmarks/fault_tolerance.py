@@ -30,7 +30,6 @@ import os
 import re
 import select
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ddptrain import Task
+from ddptrain import Task, free_port
 from ddptrain.tasks import regression_task
 
 BENCH = Path(__file__).resolve().parent
@@ -102,7 +101,7 @@ def restart(folder: Path, kill: bool, kill_step: int, save_every: int) -> dict[s
 
 
 def elastic(folder: Path, kill: bool, kill_step: int, save_every: int) -> dict[str, float]:
-    log, port = folder / "steps", _free_port()
+    log, port = folder / "steps", free_port()
     env = _env(STEP_LOG=str(log), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     doomed = {"KILL_RANK": "any", "KILL_STEP": str(kill_step), "KILL_NODE": "1",
               "KILL_MARKER": str(folder / "killed")} if kill else {}
@@ -131,14 +130,8 @@ def elastic(folder: Path, kill: bool, kill_step: int, save_every: int) -> dict[s
     return {"wall": wall, "steps": redone, "gap": _longest_gap(log)}
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def torchft(folder: Path, kill: bool, kill_step: int, save_every: int) -> dict[str, float]:
-    port = _free_port()
+    port = free_port()
     lighthouse = subprocess.Popen([*DDPTRAIN, "lighthouse", "--bind", f"127.0.0.1:{port}", "--heartbeat-timeout-ms",
                                    "2000", "--join-timeout-ms", "1000"], stdout=subprocess.PIPE, env=_env(), text=True)
     if not select.select([lighthouse.stdout], [], [], 120)[0]:  # its first line: listening

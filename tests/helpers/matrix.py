@@ -29,7 +29,7 @@ from ddptrain import TrainingFailed
 from helpers.commands import BIN, alive, assert_same_weights, clean_env, finish, fit, load_model, read_metrics
 
 AXES: dict[str, tuple[str, ...]] = {
-    "strategy": ("ddp", "fsdp"),
+    "strategy": ("ddp", "fsdp", "hsdp"),  # hsdp: --replicas 2, on 2 ranks a 2x1 mesh
     "data": ("map_even", "map_uneven", "stream_even", "stream_uneven", "token_file"),
     "workers": ("w0", "w1", "w2"),
     "accum": ("a1", "a3"),
@@ -79,7 +79,8 @@ class Case:
         return self.data.startswith("stream")
 
     def options(self, **more: Any) -> dict[str, Any]:
-        return {"strategy": self.strategy, "workers": int(self.workers[1:]), "grad_accum": self.grad_accum,
+        replicas = {"replicas": 2} if more.get("strategy", self.strategy) == "hsdp" else {}
+        return {"strategy": self.strategy, **replicas, "workers": int(self.workers[1:]), "grad_accum": self.grad_accum,
                 "precision": self.precision, "batch_size": BATCH, "max_epochs": EPOCHS, "save_every": SAVE_EVERY,
                 "timeout": 60, **more}
 
@@ -118,9 +119,11 @@ def _reader_batches(case: Case, rank: int) -> int:
 # --- which cases ---------------------------------------------------------------------------------
 def valid(values: dict[str, str]) -> bool:
     """A combination the promises speak of: a stream resumes only on its own world size (its
-    shares depend on it); a share runs out only in stream_uneven; nothing resumes after none."""
+    shares depend on it), and so does hsdp (its 2 replica groups need 2 ranks); a share runs out
+    only in stream_uneven; nothing resumes after none."""
     stream = values["data"].startswith("stream")
-    if values["resume_on"] == "other" and (stream or values["interruption"] in ("none", "share_ran_out")):
+    if values["resume_on"] == "other" and (stream or values["strategy"] == "hsdp"
+                                           or values["interruption"] in ("none", "share_ran_out")):
         return False
     return values["interruption"] != "share_ran_out" or values["data"] == "stream_uneven"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from helpers.servers import free_port
+from ddptrain import free_port
 
 
 class TcpProxy:

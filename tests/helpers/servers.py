@@ -6,21 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from ddptrain import free_port
 from helpers.commands import BIN, clean_env
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 # A watcher beside each server: when the process that started the server is gone (pytest killed at
 # a time limit, without its fixtures' teardown), it kills the server's session, workers and all.

@@ -14,6 +14,11 @@ What a hand-written loop pays per optimizer step of K micro-batches:
   K-1: for the root unit (this model, whole) one all-gather of its parameters in each
   micro-batch's forward (kept gathered for the backward), one reduce-scatter.
 (Measured: the same job as a hand-written torchrun script, profiled the same way.)
+- HSDP (FSDP2 on a 2-D mesh, ``--strategy hsdp --replicas 2``): FSDP's collectives inside each
+  replica group, plus one all-reduce of the reduced shard across the groups; the same
+  ``set_requires_gradient_sync(False)`` holds back both. On 2 ranks each group is one rank,
+  whose parameters need no gathering: one all-reduce a step is all. (Measured too: ``fully_shard``
+  on a 2x2 and a 2x1 ``init_device_mesh``, spawned, profiled the same way.)
 ddptrain's extras (README "What a step costs"): an iterable training set adds one all-reduce
 of 1 number (the step's sample count, overlapped with the backward); ``--skip-nonfinite`` one
 all-reduce of 1 number (every rank's verdict).
@@ -33,6 +38,9 @@ STOP_AGREEMENT = "all_reduce[3]"
 GRADIENTS_DDP = {"all_reduce[21]": 1}  # one bucket of the 21 parameters
 
 
+HSDP = {"strategy": "hsdp", "replicas": 2}
+
+
 def _fsdp(micro_batches: int) -> dict[str, int]:
     return {"all_gather[42]": micro_batches, "reduce_scatter[21]": 1}  # the model is FSDP's root unit
 
@@ -46,6 +54,8 @@ CASES = {  # id: (fit's options, the collectives of one step)
     "fsdp-accum4": ({"strategy": "fsdp", "grad_accum": 4}, _fsdp(4)),
     "fsdp-stream-accum3": ({"strategy": "fsdp", "task": TASKS + "stream", "grad_accum": 3},
                            {**_fsdp(3), "all_reduce[1]": 1}),
+    "hsdp-2-ranks-accum4": ({**HSDP, "grad_accum": 4}, {"all_reduce[21]": 1}),
+    "hsdp-4-ranks-accum4": ({**HSDP, "grad_accum": 4, "nproc": 4}, {**_fsdp(4), "all_reduce[21]": 1}),
 }
 
 

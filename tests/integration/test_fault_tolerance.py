@@ -3,13 +3,13 @@ at a real torchft lighthouse on loopback; one group SIGKILLed while the other tr
 
 import re
 import select
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from ddptrain import free_port
 from ddptrain.observe.report import summarize
 from helpers.commands import (
     BIN,
@@ -29,19 +29,13 @@ HEARTBEAT_MS = 3000  # the kill test's lighthouse: a group silent this long coun
 ARGS = ["--fault-tolerance", "torchft", "--replica-groups", "2", "--batch-size", "16"]
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture
 def lighthouse(request):
     """`ddptrain lighthouse` of this test's own (a group id of another test's never lingers in it);
     heartbeat timeout: the test's ``heartbeat_ms`` mark, else the default 5 s (a busy machine
     must not make a live group look failed where no group fails)."""
     mark = request.node.get_closest_marker("heartbeat_ms")
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([str(BIN / "ddptrain"), "lighthouse", "--bind", f"127.0.0.1:{port}",
                                "--heartbeat-timeout-ms", str(mark.args[0] if mark else 5000),
                                "--join-timeout-ms", "1000"],
@@ -225,7 +219,7 @@ def test_bad_torchft_settings_and_a_lighthouse_that_is_down_are_one_line(tmp_pat
         result = ddptrain_cli("train", "--run-dir", str(tmp_path / "run"), *args,
                               env=clean_env(TORCHFT_LIGHTHOUSE=""))
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
-    down = f"http://127.0.0.1:{_free_port()}"
+    down = f"http://127.0.0.1:{free_port()}"
     result = ddptrain_cli("train", "--nproc", "1", "--fault-tolerance", "torchft", "--lighthouse", down,
                           "--run-dir", str(tmp_path / "run"), timeout=120)
     assert result.returncode == 2, result.stderr

@@ -121,7 +121,7 @@ def test_fsdp_at_default_settings_peaks_well_below_ddp_on_a_34m_parameter_mlp(tm
     state = {s: peaks[s]["model_state_mb"]["max"] for s in peaks}
     rss = {s: peaks[s]["peak_rss_mb"]["max"] for s in peaks}
     assert 500 < state["ddp"] < 560 and state["fsdp"] < 0.55 * state["ddp"], state  # ~34M x 4 B x 4 (AdamW)
-    # Measured 0.73x ddp's peak (0.70x with MIMALLOC_PURGE_DELAY=10); the 0.7 is not met (README: FSDP).
+    # Measured 0.73x ddp's peak (0.70x, no margin, with MIMALLOC_PURGE_DELAY=5); 0.7 is not met (README: FSDP).
     assert rss["fsdp"] <= 0.75 * rss["ddp"], rss
     assert rss["fsdp-glibc"] > 0.8 * rss["ddp"], rss  # what the allocator saves (1.1-1.3 GB measured)
     model_mb = state["ddp"] / 4  # the whole weights: what model.pt holds on rank 0

@@ -1,5 +1,7 @@
 """Launcher detection from environment dicts (no process needed)."""
 
+import re
+
 import pytest
 
 from ddptrain import ConfigError
@@ -10,6 +12,7 @@ from ddptrain.launch.environments import (
     TorchrunEnvironment,
     detect,
 )
+from ddptrain.launch.slurm_lists import expand_hostlist, expand_tasks_per_node
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
@@ -66,11 +69,18 @@ def test_slurm_master_from_environment_when_set():
     ("x-[8-9]y", ["x-8y", "x-9y"]),
 ])
 def test_expand_hostlist(text, hosts):
-    assert SlurmEnvironment.expand_hostlist(text) == hosts
+    assert expand_hostlist(text) == hosts
 
 
 def test_expand_tasks_per_node():
-    assert SlurmEnvironment.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+
+
+@pytest.mark.parametrize("read,text", [(expand_hostlist, "gpu[01-"), (expand_hostlist, "gpu[a-b]"),
+                                       (expand_hostlist, "gpu]1"), (expand_tasks_per_node, "2(x)")])
+def test_an_unreadable_slurm_list_is_a_value_error_naming_it(read, text):
+    with pytest.raises(ValueError, match=f"cannot read Slurm .*{re.escape(text)}"):
+        read(text)
 
 
 @pytest.mark.parametrize("spelling", [["--local-rank=1"], ["--local_rank", "1"]])

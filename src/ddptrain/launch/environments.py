@@ -10,7 +10,6 @@ the first that matches.
 from __future__ import annotations
 
 import os
-import re
 import socket
 import uuid
 from collections.abc import Mapping
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from .slurm_lists import expand_hostlist, expand_tasks_per_node
 
 
 @dataclass(frozen=True)
@@ -248,7 +248,7 @@ class SlurmEnvironment(Environment):
         name = "SLURM_STEP_TASKS_PER_NODE" if "SLURM_STEP_TASKS_PER_NODE" in self.env else "SLURM_TASKS_PER_NODE"
         node = self._int("SLURM_NODEID") if "SLURM_NODEID" in self.env else 0
         try:
-            counts = self.expand_tasks_per_node(self.env.get(name, "1"))
+            counts = expand_tasks_per_node(self.env.get(name, "1"))
         except ValueError as error:
             raise ConfigError(f"{name}: {error}") from None
         if not 0 <= node < len(counts):
@@ -263,7 +263,7 @@ class SlurmEnvironment(Environment):
             return self.env["MASTER_ADDR"]
         name = "SLURM_STEP_NODELIST" if self.env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
         try:
-            return self.expand_hostlist(self.env[name])[0]
+            return expand_hostlist(self.env[name])[0]
         except (ValueError, IndexError):
             raise ConfigError(f"{name}={self.env[name]!r} is not a Slurm host list; "
                               "set MASTER_ADDR to the first node's address") from None
@@ -275,55 +275,6 @@ class SlurmEnvironment(Environment):
         # Every task of the job derives the same port; different jobs get different ones.
         job_id = self._int("SLURM_JOB_ID") if "SLURM_JOB_ID" in self.env else 0
         return 15000 + job_id % 20000
-
-    # Slurm's compressed lists, as its variables write them.
-    @classmethod
-    def expand_hostlist(cls, hostlist: str) -> list[str]:
-        """Slurm's compressed host lists: ``gpu[01-04,07],login1`` -> gpu01 … gpu04, gpu07, login1."""
-        hosts: list[str] = []
-        for item in cls._split_top_level(hostlist):
-            hosts.extend(cls._expand_item(item))
-        return hosts
-
-    @staticmethod
-    def _split_top_level(text: str) -> list[str]:
-        items, depth, start = [], 0, 0
-        for i, char in enumerate(text):
-            depth += char == "["
-            depth -= char == "]"
-            if char == "," and depth == 0:
-                items.append(text[start:i])
-                start = i + 1
-        items.append(text[start:])
-        return [item.strip() for item in items if item.strip()]
-
-    @classmethod
-    def _expand_item(cls, item: str) -> list[str]:
-        match = re.search(r"\[([^\]]*)\]", item)
-        if not match:
-            if "[" in item or "]" in item:
-                raise ValueError(f"cannot read Slurm host list {item!r}")
-            return [item]
-        prefix, suffix = item[: match.start()], item[match.end():]
-        names: list[str] = []
-        for part in match.group(1).split(","):
-            bounds = re.match(r"^(\d+)(?:-(\d+))?$", part.strip())
-            if not bounds:
-                raise ValueError(f"cannot read Slurm host list {item!r}")
-            low, high = bounds.group(1), bounds.group(2) or bounds.group(1)
-            names.extend(f"{prefix}{n:0{len(low)}d}" for n in range(int(low), int(high) + 1))
-        return [host for name in names for host in cls._expand_item(name + suffix)]
-
-    @staticmethod
-    def expand_tasks_per_node(spec: str) -> list[int]:
-        """``2(x3),1`` -> [2, 2, 2, 1] (Slurm's SLURM_TASKS_PER_NODE form)."""
-        counts: list[int] = []
-        for part in spec.split(","):
-            match = re.match(r"^(\d+)(?:\(x(\d+)\))?$", part.strip())
-            if not match:
-                raise ValueError(f"cannot read Slurm tasks per node {spec!r}")
-            counts.extend([int(match.group(1))] * int(match.group(2) or 1))
-        return counts
 
 
 class LocalEnvironment(Environment):
