@@ -36,8 +36,6 @@ from helpers.costs import collectives_per_step
 TASKS = "ddptrain_test_tasks:"
 STOP_AGREEMENT = "all_reduce[3]"
 GRADIENTS_DDP = {"all_reduce[21]": 1}  # one bucket of the 21 parameters
-
-
 HSDP = {"strategy": "hsdp", "replicas": 2}
 
 
