@@ -150,6 +150,9 @@ def run_lightning(job_name: str, nproc: int, epochs: int, out: str) -> None:
     weights = _whole_weights(module.model, job.sharded)
     if trainer.global_rank == 0:
         _save(weights, out)
+    trainer.strategy.barrier()  # as the hand-written loop: nobody leaves while rank 0 still saves
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # --- Accelerate (under torchrun) ---------------------------------------------------------------------
@@ -176,6 +179,11 @@ def run_accelerate(job_name: str, epochs: int, out: str) -> None:
     weights = _whole_weights(model if job.sharded else accelerator.unwrap_model(model), job.sharded)
     if accelerator.is_main_process:
         _save(weights, out)
+    # As the hand-written loop: nobody tears down while another still talks to the store rank 0
+    # hosts. Without it, rank 1 left while rank 0 saved, and aborted at exit beside a CPU hog
+    # ("terminate called without an active exception").
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroys the process group
 
 
 def main() -> None:
