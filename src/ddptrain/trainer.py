@@ -1,10 +1,11 @@
 """The Trainer: the tutorial's ``_run_batch`` / ``_run_epoch`` / ``train`` shape, made real.
 
 Everything a step does is in ``_run_batch``; everything an epoch does is in ``_run_epoch``;
-``__init__`` builds every component, in the order each needs the ones before it; ``fit`` is:
-resume -> epochs -> final evaluation -> model.pt. Read them top to bottom. Each component owns
-its state (``state_dict()`` / ``load_state_dict()``); the checkpointer holds them as ``states``
-and decides when a snapshot is written and how a run resumes (snapshots/checkpointer.py).
+``__init__`` builds every component in five phases (the model, where the run starts, the loop's
+parts, the checkpointer, the measures), each needing the ones before it; ``fit`` is: resume ->
+epochs -> final evaluation -> model.pt. Read them top to bottom. Each component owns its state
+(``state_dict()`` / ``load_state_dict()``); the checkpointer holds them as ``states`` and decides
+when a snapshot is written and how a run resumes (snapshots/checkpointer.py).
 """
 
 from __future__ import annotations
@@ -68,14 +69,24 @@ class Trainer:
     def __init__(self, task: Task, cfg: RunConfig, ctx: DistContext) -> None:
         check_task(task, cfg.task)
         self.task, self.ctx, self.device = task, ctx, ctx.device
-        cfg = cfg.with_task_defaults(task.defaults)  # lr, optimizer, ... the user left unset
-        self.cfg = cfg.with_run_dir()
+        self.cfg = cfg.with_task_defaults(task.defaults).with_run_dir()  # lr, optimizer, ... the user left unset
         self.home = RunDir.of(self.cfg.run_dir)
         self.run_dir = self.home.local  # a run dir on a store: this machine's mirror of it
         self.watchdog = ctx.watchdog
+        self._build_model()
+        self.reporter = (Reporter(self.cfg, self.run_dir, self.uploads) if ctx.is_main
+                         else NullReporter(self.cfg, self.run_dir))
+        self._choose_start()
+        self._build_loop()
+        self._build_checkpointer()
+        self._build_measures()
+
+    def _build_model(self) -> None:
+        """The strategy, the wrapped model, its optimizer, EMA and gradient scaler."""
+        cfg, ctx, task = self.cfg, self.ctx, self.task
         self.strategy = make_strategy(cfg, ctx)
         # a run dir on a store: its files go up behind the training
-        self.uploads = rank_uploader(self.home, self.cfg.keep, ctx,
+        self.uploads = rank_uploader(self.home, cfg.keep, ctx,
                                      shards_in_files=self.strategy.snapshot_format == "dcp")
         self.module = task.model  # unwrapped: state_dict, evaluation, model.pt
         if cfg.sync_batchnorm:
@@ -94,19 +105,23 @@ class Trainer:
         self.average = WeightAverage(self.module, cfg.ema, cfg.ema_every) if cfg.ema else None  # --ema
         self.weights = ModelAndOptimizer(self.strategy, self.module, self.optimizer, self.average)
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16" and self.device.type == "cuda")
-        self.reporter = (Reporter(self.cfg, self.run_dir, self.uploads) if ctx.is_main
-                         else NullReporter(self.cfg, self.run_dir))
-        # Where the run starts decides the batch size (a resume on another world size keeps the
-        # snapshot's global batch), and the batch size the data, the epoch and the schedule.
-        self.start = restore_point(self.cfg, ctx, self.home, self.module, self.weights.state_dict,
-                                   self.watchdog)  # chosen by rank 0, checked by all
-        self.cfg = resumed_config(self.start, self.cfg, ctx.world_size, self.reporter.info)
+
+    def _choose_start(self) -> None:
+        """Where the run starts: a snapshot (chosen by rank 0, checked by all), else --init-from's
+        weights, else the model as built. It decides the batch size (a resume on another world size
+        keeps the snapshot's global batch), and the batch size the data, the epoch and the schedule."""
+        self.start = restore_point(self.cfg, self.ctx, self.home, self.module, self.weights.state_dict,
+                                   self.watchdog)
+        self.cfg = resumed_config(self.start, self.cfg, self.ctx.world_size, self.reporter.info)
         if self.start is None and self.cfg.init_from:  # weights only, before step 0 (every rank reads them)
             self.reporter.info(load_into(self.module, read_weights(self.cfg.init_from), self.cfg.init_from,
                                          self.cfg.init_from_partial))
             if self.average is not None:
                 self.average.restart()
-        cfg = self.cfg
+
+    def _build_loop(self) -> None:
+        """The batches, what a step and an epoch keep count of, and the schedule."""
+        cfg, ctx, task = self.cfg, self.ctx, self.task
         if cfg.fault_tolerance == "torchft" and is_stream(task.train_set):
             raise ConfigError("--fault-tolerance torchft needs a map-style training set for now (a stream's "
                               "shares cannot move between replica groups); drop one of them")
@@ -126,7 +141,12 @@ class Trainer:
         self.evaluated_at = -1  # the newest evaluation's global step, and its figures:
         self.last_evaluation: dict[str, Any] = {}
         self.scheduler = build_schedule(self.optimizer, cfg, self.steps_per_epoch)
-        self.ray = RayReports(str(self.cfg.run_dir), ctx.is_main)  # inside a Ray Train worker: reports to Ray
+
+    def _build_checkpointer(self) -> None:
+        """The checkpointer, holding every component's state, and what may ask for a snapshot:
+        Ray Train, torchft's replica groups, a stop signal."""
+        cfg, ctx = self.cfg, self.ctx
+        self.ray = RayReports(str(cfg.run_dir), ctx.is_main)  # inside a Ray Train worker: reports to Ray
         self.replicas = ReplicaGroups(cfg, ctx, lambda: self.checkpointer.state_dict(),
                                       lambda state: self.checkpointer.load_state_dict(state),
                                       self.reporter.info) if cfg.fault_tolerance == "torchft" else None
@@ -142,10 +162,13 @@ class Trainer:
             on_committed=self.ray.committed if self.ray.active else None)
         self.stop_signal = StopSignal(self.cpu_group, self.checkpointer.due_by_time if ctx.is_main else None,
                                       self.watchdog)
+
+    def _build_measures(self) -> None:
+        """Timings, FLOPs, the profiler, and the first step's one-time checks."""
         self.timings = RankTimings(self.params)
         self.flops = FlopCount()  # this rank's FLOPs per step, counted on the first step
-        self.peak_tflops = cfg.peak_tflops or device_peak_tflops(self.device)
-        self.profiler = StepProfiler(cfg.profile, self.run_dir, ctx.rank, self.device)
+        self.peak_tflops = self.cfg.peak_tflops or device_peak_tflops(self.device)
+        self.profiler = StepProfiler(self.cfg.profile, self.run_dir, self.ctx.rank, self.device)
         if self.strategy.forward_syncs:  # the forward's own collective ends where the inner forward begins
             self.module.register_forward_pre_hook(lambda *_: self.watchdog.depart())
         self.first_step_at: float | None = None  # wall clock of the first step (start-up benchmarks)
