@@ -1,16 +1,16 @@
 """The Trainer: the tutorial's ``_run_batch`` / ``_run_epoch`` / ``train`` shape, made real.
 
-Everything a step does is in ``_run_batch``; everything an epoch does is in ``_run_epoch``;
-``__init__`` builds every component in five phases (the model, where the run starts, the loop's
-parts, the checkpointer, the measures), each needing the ones before it; ``fit`` is: resume ->
-epochs -> final evaluation -> model.pt. Read them top to bottom. Each component owns its state
-(``state_dict()`` / ``load_state_dict()``); the checkpointer holds them as ``states`` and decides
-when a snapshot is written and how a run resumes (snapshots/checkpointer.py).
+A step is step.py's ``OptimizerStep.run`` (the tutorial's ``_run_batch``); everything an epoch
+does is in ``_run_epoch``; ``__init__`` builds every component in six phases (the model, where
+the run starts, the loop's parts, the checkpointer, the measures, the step), each needing the
+ones before it; ``fit`` is: resume -> epochs -> final evaluation -> model.pt. Read them top to
+bottom. Each component owns its state (``state_dict()`` / ``load_state_dict()``); the
+checkpointer holds them as ``states`` and decides when a snapshot is written and how a run
+resumes (snapshots/checkpointer.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -41,7 +41,7 @@ from .observe.throughput import FlopCount, StepProfiler, device_peak_tflops, thr
 from .optim import ScalerState, SchedulerState, build_optimizer, build_schedule
 from .parallel import make_strategy
 from .parallel.averaging import EMA_DIR, WeightAverage
-from .parallel.base import ModelAndOptimizer, convert_sync_batchnorm, leaves_no_trace
+from .parallel.base import ModelAndOptimizer, convert_sync_batchnorm
 from .progress import Action, Cadence, Progress
 from .resilience.failures import STEP_NOTE
 from .resilience.guard import NonFiniteGuard, local_all_finite
@@ -54,13 +54,10 @@ from .snapshots.files import HF_MODEL, atomic_save, snapshot_estimate, space_war
 from .snapshots.init_from import load_into, read_weights
 from .snapshots.restore import restore_point, resumed_config
 from .snapshots.uploads import PREEMPTED_UPLOAD_WAIT_S, rank_uploader, upload_wait_s
-from .tasks.protocol import Task, check_pair, check_task, split_loss
+from .step import OptimizerStep, share_buffers
+from .tasks.protocol import Task, check_task
 
 LOSS_DISPLAY_EVERY = 20  # steps between progress-bar loss reads (each read syncs the device)
-GRADIENT_SYNC = "the gradient all-reduce"
-FORWARD_SYNC = "the forward pass's collective (FSDP's parameter all-gather)"
-BUFFER_SYNC = "the broadcast of rank 0's buffers (BatchNorm's running statistics)"
-COUNT_SYNC = "summing the step's loss counts over the ranks (step_fn returned (sum, count))"
 
 
 class Trainer:
@@ -80,6 +77,7 @@ class Trainer:
         self._build_loop()
         self._build_checkpointer()
         self._build_measures()
+        self._build_step()
 
     def _build_model(self) -> None:
         """The strategy, the wrapped model, its optimizer, EMA and gradient scaler."""
@@ -173,8 +171,14 @@ class Trainer:
             self.module.register_forward_pre_hook(lambda *_: self.watchdog.depart())
         self.first_step_at: float | None = None  # wall clock of the first step (start-up benchmarks)
         self.first_step_reported = False
-        self.loss_checked = False
-        self.first_step_unchecked = True  # the strategy checks the first step's gradients
+
+    def _build_step(self) -> None:
+        """The optimizer step (step.py): what it reads and changes, and what it reports to."""
+        self.step = OptimizerStep(
+            task=self.task, ctx=self.ctx, strategy=self.strategy, model=self.model, module=self.module,
+            optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler, average=self.average,
+            batches=self.batches, watchdog=self.watchdog, timings=self.timings, flops=self.flops,
+            grad_norms=self.grad_norms, guard=self.guard, replicas=self.replicas, clip_grad=self.cfg.clip_grad)
 
     # --- the loop ------------------------------------------------------------------------------
     def fit(self, *, exiting: bool = False) -> str:
@@ -214,6 +218,7 @@ class Trainer:
             self.cadence = self._cadence()
             self.scheduler = build_schedule(self.optimizer, self.cfg, self.steps_per_epoch)
             self.checkpointer.retarget(self.cfg, SchedulerState(self.scheduler))
+            self.step.scheduler = self.scheduler
         return self.fit()
 
     def _fit(self, exiting: bool) -> str:
@@ -302,7 +307,7 @@ class Trainer:
         if group is None:  # (a quorum joined here is the next epoch's first step's)
             return False
         stepping = time.perf_counter()
-        loss, step_samples = self._run_batch(group)
+        loss, step_samples = self.step.run(group, self.progress.global_step + 1)
         if step_samples == 0:  # a stream's steps agreed it was over: no rank had a sample
             return False
         self.timings.add_step(stepping - fetching, time.perf_counter() - stepping)
@@ -317,145 +322,8 @@ class Trainer:
         self.reporter.step_done(loss * self.ctx.world_size if shown and loss is not None else None)  # rank 0's mean
         return True
 
-    def _run_batch(self, group: list[tuple[Any, MicroBatch]]) -> tuple[torch.Tensor | None, int]:
-        """One optimizer step over ``group`` (``--grad-accum`` micro-batches). Returns this
-        rank's part of the step's mean loss (the ranks' parts add up to it), or None when the
-        step was skipped as not finite; and the step's samples over every rank (0: a stream's
-        step that no rank had a sample for, so nothing was stepped).
-
-        Each micro-batch's mean loss is weighted by its share of the step's samples
-        (``MicroBatch.weight``), so the gradient is the mean over the samples really in the
-        step, however short the epoch's last step is. (A stream's micro-batches are weighted
-        as parts of a full step, and a short step's gradients scaled once its count is known.)
-        A loss returned as ``(sum, count)`` is divided by the step's count over every rank
-        instead (``_divide_by_count``)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self._share_buffers(self.progress.global_step + 1)
-        with self.flops.first_step():  # FlopCounterMode around the first step's work, once
-            total, count = self._forward_backward(group)
-        planned = group[0][1].step_samples
-        agreed = self.batches.agreed_samples()  # a stream's count, known only now (None: ``planned`` is it)
-        step_samples = planned if agreed is None else agreed
-        if step_samples == 0:
-            return None, 0
-        if count is None and step_samples != planned:  # a stream's short step
-            self._scale_gradients(planned / step_samples)
-            total = total * (planned / step_samples)
-        if self.replicas is not None:  # the other replica groups' gradients and losses
-            total = self.replicas.average(self._gradients(), total, self.progress.global_step + 1)
-        total = total / self.ctx.world_size if count is None else self._divide_by_count(total, count)
-        if self.scaler.is_enabled():  # fp16: the norm, the guard and clipping see the true gradients
-            self.scaler.unscale_(self.optimizer)
-        gradients = self._gradients()
-        self.grad_norms.add(gradients)
-        # fp16's gradients overflow by design (the grad scaler skips those steps): the guard sees the loss
-        if self.guard.skipping and not self.guard.step_is_finite(total, [] if self.scaler.is_enabled() else gradients):
-            if self.replicas is not None:  # every group skips it (the same averaged gradients): the quorum ends
-                self.replicas.commit(self.progress.global_step + 1, step_samples)
-            self._step_scheduler()  # the schedule counts steps, taken or skipped
-            return None, step_samples
-        if self.first_step_unchecked:  # DDP names the parameters that got no gradient
-            self.strategy.check_gradients(self.module)
-            self.first_step_unchecked = False
-        if self.cfg.clip_grad:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
-        step = self.progress.global_step + 1
-        if self.replicas is not None and not self.replicas.commit(step, step_samples):  # a peer failed in it
-            self._step_scheduler()
-            return total, step_samples
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        if self.average is not None:
-            self.average.update(self.progress.global_step + 1)
-        self._step_scheduler()
-        return total, step_samples
-
-    def _forward_backward(self, group: list[tuple[Any, MicroBatch]]) -> tuple[torch.Tensor, Any]:
-        """Every micro-batch's forward and backward, gradients synchronised in the last backward
-        only. Returns this rank's weighted loss over the step, and the count the loss sums are
-        over when step_fn returned ``(sum, count)`` (else None)."""
-        total, count = None, None
-        for i, (batch, micro) in enumerate(group):
-            last = i == len(group) - 1
-            # One gradient sync per step: DDP decides in the forward whether the backward reduces,
-            # FSDP in the backward's hooks, so no_sync holds both for every micro-batch but the last.
-            sync = contextlib.nullcontext() if last else self.strategy.no_sync(self.model)
-            kept = contextlib.nullcontext() if micro.samples else leaves_no_trace(self.module, self.device)
-            with sync:
-                with kept, self.strategy.autocast():
-                    if self.strategy.forward_syncs:
-                        self.watchdog.arrive(FORWARD_SYNC, self.progress.global_step + 1)
-                    loss, units = self._loss(batch)
-                    if units is None:  # a mean over the micro-batch's samples
-                        loss = loss if micro.weight == 1.0 else loss * micro.weight
-                    else:  # a sum over `units` (tokens, say): divided once the step's count is known
-                        loss, units = (loss, units) if micro.samples else (loss * 0.0, 0)
-                        count = units if count is None else count + units
-                if last:  # the gradient all-reduce happens in this backward
-                    with self.watchdog.waiting(GRADIENT_SYNC, self.progress.global_step + 1, timed=False):
-                        self.scaler.scale(loss).backward()
-                        self.timings.backward_done()
-                else:
-                    self.scaler.scale(loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        assert total is not None, "a step has at least one micro-batch"
-        return total, count
-
-    def _divide_by_count(self, local_sum: torch.Tensor, local_count: Any) -> torch.Tensor:
-        """``step_fn`` returned ``(sum, count)``: scale the gradients (averaged over the ranks by
-        DDP/FSDP) to the sum's gradient over the step's count on every rank, found with one small
-        all-reduce. Returns this rank's part of the step's mean loss."""
-        if self.replicas is not None:
-            raise ConfigError("--fault-tolerance torchft: step_fn returned (sum, count), whose count would be summed "
-                              "inside one replica group only; return a mean loss, or train without torchft")
-        count = torch.as_tensor(local_count, dtype=torch.float64, device=self.device).detach().reshape(())
-        if self.ctx.world_size > 1:
-            with self.watchdog.waiting(COUNT_SYNC, self.progress.global_step + 1):
-                dist.all_reduce(count)
-        count = count.clamp(min=1)
-        self._scale_gradients(self.ctx.world_size / count.item())  # a number: FSDP's gradients are DTensors
-        return local_sum / count
-
-    def _scale_gradients(self, factor: float) -> None:
-        for param in self.params:
-            if param.grad is not None:
-                param.grad.mul_(factor)
-
-    def _share_buffers(self, step: int) -> None:
-        """Every rank takes rank 0's buffers (BatchNorm's running statistics): before each step,
-        each evaluation and each save. One rule for DDP and FSDP: rank 0's buffers follow its
-        own batches only, so they are what model.pt holds and a resume is exact at any step."""
-        if self.strategy.shares_buffers:
-            with self.watchdog.waiting(BUFFER_SYNC, step):
-                self.strategy.broadcast_buffers(self.module)
-
-    def _loss(self, batch: Any) -> tuple[torch.Tensor, Any]:
-        """The task's loss of one batch, ``step_fn(model, batch)`` or ``loss_fn(model(inputs),
-        target)``, and the count it is a sum over when step_fn returned ``(sum, count)``."""
-        if not self.loss_checked and self.task.step_fn is None:
-            check_pair(batch)
-        try:
-            if self.task.step_fn is not None:
-                value = self.task.step_fn(self.model, batch)
-            else:
-                inputs, target = batch
-                value = self.task.loss_fn(self.model(inputs), target)  # type: ignore[misc]  # loss_fn is set when step_fn is not (check_task)
-        except RuntimeError as error:
-            clearer = self.strategy.explain(error, self.module, self.progress.global_step + 1)
-            if clearer is None:
-                raise
-            raise clearer from None
-        loss, count = split_loss(value, "step_fn" if self.task.step_fn is not None else "loss_fn",
-                                 check=not self.loss_checked)
-        self.loss_checked = True
-        return loss, count
-
-    def _gradients(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.model.parameters() if p.grad is not None]
-
-    def _step_scheduler(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.step()
+    def _share_buffers(self) -> None:
+        share_buffers(self.strategy, self.module, self.watchdog, self.progress.global_step)
 
     # --- epoch ends, evaluation, the end -------------------------------------------------------
     def _end_epoch(self, epoch: int, since: tuple[float, int, int], partial: str | None = None) -> None:
@@ -556,7 +424,7 @@ class Trainer:
         if self.eval_batches is None:
             return {}
         self.evaluated_at = self.progress.global_step
-        self._share_buffers(self.progress.global_step)  # every rank evaluates what model.pt holds
+        self._share_buffers()  # every rank evaluates what model.pt holds
         model = self.strategy.eval_model(self.module, self.model)
         def run() -> dict[str, float]:
             return evaluate(model, self.eval_batches, self.task, self.strategy.autocast(),  # type: ignore[arg-type]  # checked above
@@ -579,13 +447,13 @@ class Trainer:
         reduced = self._reduce()
         self.losses.note_reduced(float(reduced["loss_total"]), int(reduced["loss_steps"]))
         self.grad_norms.figures(reduced["grad_squares"])  # (kept for the snapshot)
-        self._share_buffers(self.progress.global_step)
+        self._share_buffers()
         self.checkpointer.save(self.progress.global_step, last=last)
 
     def _finish(self, exiting: bool) -> None:
         self._save(last=True)
         self.checkpointer.commit()
-        self._share_buffers(self.progress.global_step)  # (a no-op when _save just did it: rare)
+        self._share_buffers()  # (a no-op when _save just did it: rare)
         # Spent: their room is model.pt's, gathered whole on rank 0 (under fsdp, without this
         # the end of a run peaked above training: rank 0 held its shards, their Adam moments
         # and the whole model at once). The optimizer's state is in the snapshot just committed.
