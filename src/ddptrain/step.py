@@ -45,8 +45,9 @@ def share_buffers(strategy: Strategy, module: torch.nn.Module, watchdog: Collect
 @dataclasses.dataclass
 class OptimizerStep:
     """What a step reads and changes: the model (``model`` wrapped by ``strategy``, ``module``
-    unwrapped), its optimizer, scheduler and scaler, the batches (a stream agrees on its count
-    here), and what a step reports to: timings, FLOPs, gradient norms, the guard, torchft."""
+    unwrapped), its optimizer, scheduler and scaler, the weight average (--ema), the batches (a
+    stream agrees on its count here), and what a step reports to: timings, FLOPs, gradient
+    norms, the guard, torchft's replica groups."""
 
     task: Task
     ctx: DistContext
