@@ -54,8 +54,9 @@ class OptimizerStep:
     strategy: Strategy
     model: torch.nn.Module
     module: torch.nn.Module
+    params: list[torch.nn.Parameter]  # the wrapped model's, as the Trainer listed them
     optimizer: torch.optim.Optimizer
-    scheduler: Any  # an LRScheduler, or None (a constant rate); the Trainer rebuilds it on train(max_epochs)
+    scheduler: Any  # an LRScheduler, or None (a constant rate); the Trainer replaces it on train(max_epochs)
     scaler: torch.amp.GradScaler
     average: WeightAverage | None
     batches: TrainBatches | StreamBatches
@@ -68,9 +69,6 @@ class OptimizerStep:
     clip_grad: float | None
     loss_checked: bool = False  # the first loss's type and shape are checked once
     gradients_checked: bool = False  # the strategy checks the first step's gradients (DDP: unused parameters)
-
-    def __post_init__(self) -> None:
-        self.params = list(self.model.parameters())
 
     def run(self, group: list[tuple[Any, MicroBatch]], step: int) -> tuple[torch.Tensor | None, int]:
         """Global step ``step`` over ``group``. Returns this rank's part of the step's mean loss

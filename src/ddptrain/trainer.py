@@ -1,12 +1,12 @@
 """The Trainer: the tutorial's ``_run_batch`` / ``_run_epoch`` / ``train`` shape, made real.
 
 A step is step.py's ``OptimizerStep.run`` (the tutorial's ``_run_batch``); everything an epoch
-does is in ``_run_epoch``; ``__init__`` builds every component in six phases (the model, where
-the run starts, the loop's parts, the checkpointer, the measures, the step), each needing the
-ones before it; ``fit`` is: resume -> epochs -> final evaluation -> model.pt. Read them top to
-bottom. Each component owns its state (``state_dict()`` / ``load_state_dict()``); the
-checkpointer holds them as ``states`` and decides when a snapshot is written and how a run
-resumes (snapshots/checkpointer.py).
+does is in ``_run_epoch``, and what it counts is tally.py's ``EpochTally``; ``__init__`` builds
+every component in six phases (the model, where the run starts, the loop's parts, the
+checkpointer, the measures, the step), each needing the ones before it; ``fit`` is: resume ->
+epochs -> final evaluation -> model.pt. Read them top to bottom. Each component owns its state
+(``state_dict()`` / ``load_state_dict()``); the checkpointer holds them as ``states`` and decides
+when a snapshot is written and how a run resumes (snapshots/checkpointer.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .comm import DistContext, apply_step_timeout, sum_over_ranks
+from .comm import DistContext, apply_step_timeout
 from .config import RunConfig
 from .console import say
 from .data import EvalBatches, MicroBatch, StreamBatches, is_stream, training_batches
@@ -29,22 +29,18 @@ from .observe.metrics import (
     EpochLosses,
     GradNorms,
     RankTimings,
-    memory_record,
-    model_state_mb,
-    peak_rss_mb,
     return_free_memory,
-    timing_record,
 )
 from .observe.ray_train import RayReports
 from .observe.report import NullReporter, Reporter
-from .observe.throughput import FlopCount, StepProfiler, device_peak_tflops, throughput_record
+from .observe.throughput import FlopCount, StepProfiler, device_peak_tflops
 from .optim import ScalerState, SchedulerState, build_optimizer, build_schedule
 from .parallel import make_strategy
 from .parallel.averaging import EMA_DIR, WeightAverage
 from .parallel.base import ModelAndOptimizer, convert_sync_batchnorm
 from .progress import Action, Cadence, Progress
 from .resilience.failures import STEP_NOTE
-from .resilience.guard import NonFiniteGuard, local_all_finite
+from .resilience.guard import NonFiniteGuard
 from .resilience.replicas import ReplicaGroups, data_context
 from .resilience.stop_signals import StopSignal
 from .run_dir import RunDir
@@ -55,6 +51,7 @@ from .snapshots.init_from import load_into, read_weights
 from .snapshots.restore import restore_point, resumed_config
 from .snapshots.uploads import PREEMPTED_UPLOAD_WAIT_S, rank_uploader, upload_wait_s
 from .step import OptimizerStep, share_buffers
+from .tally import EpochTally
 from .tasks.protocol import Task, check_task
 
 LOSS_DISPLAY_EVERY = 20  # steps between progress-bar loss reads (each read syncs the device)
@@ -75,9 +72,10 @@ class Trainer:
                          else NullReporter(self.cfg, self.run_dir))
         self._choose_start()
         self._build_loop()
-        self._build_checkpointer()
+        schedule = build_schedule(self.optimizer, self.cfg, self.steps_per_epoch)
+        self._build_checkpointer(schedule)
         self._build_measures()
-        self._build_step()
+        self._build_step(schedule)
 
     def _build_model(self) -> None:
         """The strategy, the wrapped model, its optimizer, EMA and gradient scaler."""
@@ -118,7 +116,7 @@ class Trainer:
                 self.average.restart()
 
     def _build_loop(self) -> None:
-        """The batches, what a step and an epoch keep count of, and the schedule."""
+        """The batches, what a step and an epoch keep count of, and when things are due."""
         cfg, ctx, task = self.cfg, self.ctx, self.task
         if cfg.fault_tolerance == "torchft" and is_stream(task.train_set):
             raise ConfigError("--fault-tolerance torchft needs a map-style training set for now (a stream's "
@@ -138,11 +136,11 @@ class Trainer:
         self.cadence = self._cadence()  # what is due after each step
         self.evaluated_at = -1  # the newest evaluation's global step, and its figures:
         self.last_evaluation: dict[str, Any] = {}
-        self.scheduler = build_schedule(self.optimizer, cfg, self.steps_per_epoch)
 
-    def _build_checkpointer(self) -> None:
-        """The checkpointer, holding every component's state, and what may ask for a snapshot:
-        Ray Train, torchft's replica groups, a stop signal."""
+    def _build_checkpointer(self, schedule: Any) -> None:
+        """The checkpointer, holding every component's state (``schedule``: the learning rate's
+        scheduler, or None), and what may ask for a snapshot: Ray Train, torchft's replica
+        groups, a stop signal."""
         cfg, ctx = self.cfg, self.ctx
         self.ray = RayReports(str(cfg.run_dir), ctx.is_main)  # inside a Ray Train worker: reports to Ray
         self.replicas = ReplicaGroups(cfg, ctx, lambda: self.checkpointer.state_dict(),
@@ -151,7 +149,7 @@ class Trainer:
         self.checkpointer = Checkpointer(
             cfg, ctx, self.home, self.strategy, self.watchdog,
             weights=self.weights,
-            states={"scheduler": SchedulerState(self.scheduler), "scaler": ScalerState(self.scaler),
+            states={"scheduler": SchedulerState(schedule), "scaler": ScalerState(self.scaler),
                     # one table in the snapshot format: where the run is, the epoch's loss so far, skips
                     "progress": OneTable(self.progress, self.losses, self.grad_norms, self.guard,
                                          *[part for part in (self.best, self.replicas) if part is not None])},
@@ -162,23 +160,28 @@ class Trainer:
                                       self.watchdog)
 
     def _build_measures(self) -> None:
-        """Timings, FLOPs, the profiler, and the first step's one-time checks."""
+        """Timings, FLOPs, the profiler, the epoch's tally (tally.py) and the first step's one-time checks."""
         self.timings = RankTimings(self.params)
         self.flops = FlopCount()  # this rank's FLOPs per step, counted on the first step
-        self.peak_tflops = self.cfg.peak_tflops or device_peak_tflops(self.device)
         self.profiler = StepProfiler(self.cfg.profile, self.run_dir, self.ctx.rank, self.device)
         if self.strategy.forward_syncs:  # the forward's own collective ends where the inner forward begins
             self.module.register_forward_pre_hook(lambda *_: self.watchdog.depart())
-        self.first_step_at: float | None = None  # wall clock of the first step (start-up benchmarks)
-        self.first_step_reported = False
+        self.tally = EpochTally(
+            ctx=self.ctx, progress=self.progress, losses=self.losses, grad_norms=self.grad_norms,
+            timings=self.timings, flops=self.flops, guard=self.guard, watchdog=self.watchdog, params=self.params,
+            optimizer=self.optimizer, average=self.average, newest_snapshot=self.checkpointer.newest_path,
+            tokens_per_sample=self.task.tokens_per_sample,
+            peak_tflops=self.cfg.peak_tflops or device_peak_tflops(self.device))
 
-    def _build_step(self) -> None:
-        """The optimizer step (step.py): what it reads and changes, and what it reports to."""
+    def _build_step(self, schedule: Any) -> None:
+        """The optimizer step (step.py): what it reads and changes (the schedule is its alone
+        to step), and what it reports to."""
         self.step = OptimizerStep(
             task=self.task, ctx=self.ctx, strategy=self.strategy, model=self.model, module=self.module,
-            optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler, average=self.average,
-            batches=self.batches, watchdog=self.watchdog, timings=self.timings, flops=self.flops,
-            grad_norms=self.grad_norms, guard=self.guard, replicas=self.replicas, clip_grad=self.cfg.clip_grad)
+            params=self.params, optimizer=self.optimizer, scheduler=schedule, scaler=self.scaler,
+            average=self.average, batches=self.batches, watchdog=self.watchdog, timings=self.timings,
+            flops=self.flops, grad_norms=self.grad_norms, guard=self.guard, replicas=self.replicas,
+            clip_grad=self.cfg.clip_grad)
 
     # --- the loop ------------------------------------------------------------------------------
     def fit(self, *, exiting: bool = False) -> str:
@@ -216,9 +219,8 @@ class Trainer:
         if max_epochs is not None and max_epochs != self.cfg.epochs:
             self.cfg = dataclasses.replace(self.cfg, max_epochs=max_epochs)
             self.cadence = self._cadence()
-            self.scheduler = build_schedule(self.optimizer, self.cfg, self.steps_per_epoch)
-            self.checkpointer.retarget(self.cfg, SchedulerState(self.scheduler))
-            self.step.scheduler = self.scheduler
+            self.step.scheduler = build_schedule(self.optimizer, self.cfg, self.steps_per_epoch)
+            self.checkpointer.retarget(self.cfg, SchedulerState(self.step.scheduler))
         return self.fit()
 
     def _fit(self, exiting: bool) -> str:
@@ -313,11 +315,7 @@ class Trainer:
         self.timings.add_step(stepping - fetching, time.perf_counter() - stepping)
         self.profiler.step_done()
         self.progress.step_done(step_samples)
-        if loss is None:  # skipped: not finite (--skip-nonfinite)
-            self.guard.skip(self.progress.global_step)
-        else:
-            self.losses.add(loss)
-        self.first_step_at = self.first_step_at or time.time()
+        self.tally.step_done(loss)
         shown = loss is not None and self.progress.global_step % LOSS_DISPLAY_EVERY == 0
         self.reporter.step_done(loss * self.ctx.world_size if shown and loss is not None else None)  # rank 0's mean
         return True
@@ -327,38 +325,10 @@ class Trainer:
 
     # --- epoch ends, evaluation, the end -------------------------------------------------------
     def _end_epoch(self, epoch: int, since: tuple[float, int, int], partial: str | None = None) -> None:
-        """The epoch's record (``samples``: trained in the epoch over every rank, every sample
-        once; the rates: this process's, since ``since``, the clock, step and samples when this
-        process began the epoch). ``partial``: the limit that ends the run inside the epoch, which
-        stays where it is."""
-        seconds = time.perf_counter() - since[0]
-        steps, samples = self.progress.step_in_epoch - since[1], self.progress.epoch_samples - since[2]
-        reduced = self._reduce(with_figures=True)
-        loss_steps = int(reduced["loss_steps"])
-        per_rank = reduced["figures"].tolist()  # each rank's row: 3 timings, 2 memory figures, FLOPs per step
-        job_flops = sum(row[5] for row in per_rank)
-        record: dict[str, Any] = {
-            "kind": "epoch", "epoch": epoch, "step": self.progress.global_step,
-            "train_loss": float(reduced["loss_total"]) / loss_steps if loss_steps else float("nan"),
-            "lr": self.optimizer.param_groups[0]["lr"], **self.grad_norms.figures(reduced["grad_squares"]),
-            "samples_per_s": round(samples / seconds, 1) if seconds > 0 else None,
-            "epoch_time_s": round(seconds, 3), "samples": self._epoch_samples(partial is not None),
-            "time": round(time.time(), 3),
-            **throughput_record(samples, seconds, steps, job_flops, self.task.tokens_per_sample, self.peak_tflops,
-                                self.ctx.world_size),
-            **timing_record([row[:3] for row in per_rank]),
-            "memory_mb": memory_record([row[3:5] for row in per_rank]),
-        }
-        if partial:
-            record["partial"], record["ended_by"] = True, partial
-        if self.replicas is not None:  # what missing replica groups would have trained, so far
-            record["samples_skipped"] = self.replicas.samples_skipped
-        skipped = self.guard.skipped_after(self.progress.global_step - self.progress.step_in_epoch)
-        if skipped:
-            record["skipped_steps"] = skipped
-        if not self.first_step_reported and self.first_step_at is not None:
-            record["first_step_at"] = self.first_step_at
-            self.first_step_reported = True
+        """The epoch's record (tally.py), with its evaluation when one is due. ``partial``: the
+        limit that ends the run inside the epoch, which stays where it is."""
+        also = {} if self.replicas is None else {"samples_skipped": self.replicas.samples_skipped}  # torchft's
+        record = self.tally.epoch_record(epoch, since, self._epoch_samples(partial is not None), partial, **also)
         if self.cadence.evaluate_at_epoch_end(epoch, partial is not None):
             if self.evaluated_at == self.progress.global_step:  # this step's evaluation ran (and was judged)
                 record.update(self.last_evaluation)
@@ -367,9 +337,7 @@ class Trainer:
                 self._judge(record)
         self.reporter.log(record)
         if partial is None:
-            self.progress.next_epoch()
-            self.losses.reset(first_step=self.progress.global_step)
-            self.grad_norms.reset()
+            self.tally.next_epoch()
 
     def _epoch_samples(self, partial: bool) -> int:
         """A whole epoch of a map-style set trains every sample once (so snapshots of 0.3, which
@@ -377,30 +345,6 @@ class Trainer:
         if partial or self.steps_per_epoch is None:
             return self.progress.epoch_samples
         return self.batches.epoch_samples  # type: ignore[union-attr]  # map-style here: TrainBatches
-
-    def _reduce(self, with_figures: bool = False) -> dict[str, torch.Tensor]:
-        """One all-reduce: the epoch's loss sums, whether every rank's losses and weights are
-        finite, and (at epoch ends) every rank's timings, memory and FLOPs per step, a row per rank. Raises
-        NonFiniteError, before anything is saved or evaluated, when a loss or a weight is not finite."""
-        world, rank, device = self.ctx.world_size, self.ctx.rank, self.device
-        first_bad_step = torch.zeros(world, dtype=torch.float64, device=device)
-        figures = torch.zeros(world, 6, dtype=torch.float64, device=device)
-        first_bad_step[rank] = self.losses.first_nonfinite_step()
-        if with_figures:
-            figures[rank] = torch.tensor([*self.timings.take(self.watchdog.take_waited()), peak_rss_mb(),
-                                          model_state_mb(self.params, self.optimizer,
-                                                         self.average.local_bytes() if self.average else 0),
-                                          self.flops.per_step or 0])
-        reduced = sum_over_ranks({
-            "loss_total": self.losses.local_sum(),
-            # the ranks' parts add up to a step's loss: rank 0 alone counts the steps
-            "loss_steps": torch.tensor(self.losses.local_steps() if self.ctx.is_main else 0),
-            "bad_weights": ~local_all_finite(self.params),  # ranks whose weights are not finite
-            "first_bad_step": first_bad_step, "figures": figures, "grad_squares": self.grad_norms.local_squares(),
-        }, self.watchdog, "summing the loss over the ranks", self.progress.global_step)
-        self.guard.check([int(s) for s in reduced["first_bad_step"].tolist()], int(reduced["bad_weights"]) == 0,
-                         self.progress.global_step, self.progress.epoch, self.checkpointer.newest_path())
-        return reduced
 
     def _log_evaluation(self, epoch: int) -> None:
         """An evaluation record of its own (at the start, or every --eval-every-steps), judged."""
@@ -444,9 +388,7 @@ class Trainer:
         ``last``: the checkpointer's commit follows before anything changes the state."""
         if not self.checkpointer.wants(self.progress.global_step):
             return
-        reduced = self._reduce()
-        self.losses.note_reduced(float(reduced["loss_total"]), int(reduced["loss_steps"]))
-        self.grad_norms.figures(reduced["grad_squares"])  # (kept for the snapshot)
+        self.tally.before_snapshot()
         self._share_buffers()
         self.checkpointer.save(self.progress.global_step, last=last)
 
