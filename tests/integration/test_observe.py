@@ -247,3 +247,61 @@ def test_throughput_is_reported_in_tokens_tflops_and_mfu_and_profile_writes_a_tr
         assert len(steps) == 3, steps
     out, err = capfd.readouterr()
     assert "USDT" not in out + err and "Warning" not in out + err, err  # the profiler keeps the console clean
+
+
+def _tally_an_epoch(rank, world):
+    """Rank r's parts of 4 steps' losses are (r + 1) x [1, skipped, 3, 5]; then rank 1's weight
+    goes bad."""
+    import time
+
+    from ddptrain.comm import DistContext
+    from ddptrain.errors import NonFiniteError
+    from ddptrain.observe.metrics import EpochLosses, GradNorms, RankTimings
+    from ddptrain.observe.throughput import FlopCount
+    from ddptrain.progress import Progress
+    from ddptrain.resilience.guard import NonFiniteGuard
+    from ddptrain.tally import EpochTally
+
+    ctx = DistContext(rank, world, rank, world, torch.device("cpu"), "gloo")
+    model = torch.nn.Linear(3, 1)
+    params = list(model.parameters())
+    progress = Progress(steps_per_epoch=4)
+    tally = EpochTally(
+        ctx=ctx, progress=progress, losses=EpochLosses(ctx.device, 4, carries=rank == 0),
+        grad_norms=GradNorms(ctx.device, 4, counts=True, carries=rank == 0), timings=RankTimings(params),
+        flops=FlopCount(), guard=NonFiniteGuard(1), watchdog=ctx.watchdog, params=params,
+        optimizer=torch.optim.SGD(params, lr=0.5), average=None, newest_snapshot=lambda: "snapshots/step_00000003.pt",
+        tokens_per_sample=None, peak_tflops=None)
+    since = (time.perf_counter(), 0, 0)
+    for part in (1.0, None, 3.0, 5.0):
+        progress.step_done(8)
+        tally.step_done(None if part is None else torch.tensor(part * (rank + 1)))
+    records = [tally.epoch_record(0, since, samples=32, samples_skipped=0)]
+    tally.next_epoch()
+    progress.step_done(8)
+    tally.step_done(torch.tensor(1.0))
+    records.append(tally.epoch_record(1, (time.perf_counter(), 4, 0), samples=8, partial="--max-steps"))
+    with torch.no_grad():
+        params[0][0, 0] = math.nan if rank == 1 else params[0][0, 0]
+    try:
+        tally.reduce()
+    except NonFiniteError as error:
+        return records, str(error)
+    return records, None
+
+
+def test_an_epochs_tally_sums_every_ranks_loss_once_and_stops_at_a_bad_weight_on_any_rank():
+    """tally.py on 2 gloo ranks: the record's loss is the mean over the steps taken of the ranks'
+    summed parts, the skipped step is named, first_step_at comes once, and a non-finite weight
+    on one rank stops every rank, naming the snapshot to go back to."""
+    for rank, (records, error) in enumerate(run_on_ranks(2, _tally_an_epoch)):
+        first, second = records
+        assert first["train_loss"] == pytest.approx((1 + 3 + 5) * (1 + 2) / 3)  # 3 steps taken of 4
+        assert first["skipped_steps"] == [2] and first["samples"] == 32 and first["samples_skipped"] == 0
+        assert first["kind"] == "epoch" and first["step"] == 4 and first["lr"] == 0.5
+        assert "first_step_at" in first and "first_step_at" not in second
+        assert second["epoch"] == 1 and second["step"] == 5 and second["partial"] is True
+        assert second["ended_by"] == "--max-steps" and second["train_loss"] == pytest.approx(1 + 1)
+        assert "skipped_steps" not in second  # epoch 0's skip stays epoch 0's
+        assert error is not None and "weights stopped being finite before step 5" in error, rank
+        assert "snapshots/step_00000003.pt" in error
