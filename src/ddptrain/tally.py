@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .comm import CollectiveMarks, DistContext, sum_over_ranks
+from .comm import DistContext, sum_over_ranks
 from .observe.metrics import (
     EpochLosses,
     GradNorms,
@@ -44,7 +44,6 @@ class EpochTally:
     timings: RankTimings
     flops: FlopCount
     guard: NonFiniteGuard
-    watchdog: CollectiveMarks
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     average: WeightAverage | None
@@ -117,7 +116,7 @@ class EpochTally:
         figures = torch.zeros(world, 6, dtype=torch.float64, device=device)
         first_bad_step[rank] = self.losses.first_nonfinite_step()
         if with_figures:
-            figures[rank] = torch.tensor([*self.timings.take(self.watchdog.take_waited()), peak_rss_mb(),
+            figures[rank] = torch.tensor([*self.timings.take(self.ctx.watchdog.take_waited()), peak_rss_mb(),
                                           model_state_mb(self.params, self.optimizer,
                                                          self.average.local_bytes() if self.average else 0),
                                           self.flops.per_step or 0])
@@ -127,7 +126,7 @@ class EpochTally:
             "loss_steps": torch.tensor(self.losses.local_steps() if self.ctx.is_main else 0),
             "bad_weights": ~local_all_finite(self.params),  # ranks whose weights are not finite
             "first_bad_step": first_bad_step, "figures": figures, "grad_squares": self.grad_norms.local_squares(),
-        }, self.watchdog, "summing the loss over the ranks", self.progress.global_step)
+        }, self.ctx.watchdog, "summing the loss over the ranks", self.progress.global_step)
         self.guard.check([int(s) for s in reduced["first_bad_step"].tolist()], int(reduced["bad_weights"]) == 0,
                          self.progress.global_step, self.progress.epoch, self.newest_snapshot())
         return reduced

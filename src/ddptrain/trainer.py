@@ -168,7 +168,7 @@ class Trainer:
             self.module.register_forward_pre_hook(lambda *_: self.watchdog.depart())
         self.tally = EpochTally(
             ctx=self.ctx, progress=self.progress, losses=self.losses, grad_norms=self.grad_norms,
-            timings=self.timings, flops=self.flops, guard=self.guard, watchdog=self.watchdog, params=self.params,
+            timings=self.timings, flops=self.flops, guard=self.guard, params=self.params,
             optimizer=self.optimizer, average=self.average, newest_snapshot=self.checkpointer.newest_path,
             tokens_per_sample=self.task.tokens_per_sample,
             peak_tflops=self.cfg.peak_tflops or device_peak_tflops(self.device))

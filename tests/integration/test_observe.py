@@ -269,7 +269,7 @@ def _tally_an_epoch(rank, world):
     tally = EpochTally(
         ctx=ctx, progress=progress, losses=EpochLosses(ctx.device, 4, carries=rank == 0),
         grad_norms=GradNorms(ctx.device, 4, counts=True, carries=rank == 0), timings=RankTimings(params),
-        flops=FlopCount(), guard=NonFiniteGuard(1), watchdog=ctx.watchdog, params=params,
+        flops=FlopCount(), guard=NonFiniteGuard(1), params=params,
         optimizer=torch.optim.SGD(params, lr=0.5), average=None, newest_snapshot=lambda: "snapshots/step_00000003.pt",
         tokens_per_sample=None, peak_tflops=None)
     since = (time.perf_counter(), 0, 0)
