@@ -1,7 +1,8 @@
 """The Trainer: the tutorial's ``_run_batch`` / ``_run_epoch`` / ``train`` shape, made real.
 
 A step is step.py's ``OptimizerStep.run`` (the tutorial's ``_run_batch``); everything an epoch
-does is in ``_run_epoch``, and what it counts is tally.py's ``EpochTally``; ``__init__`` builds
+does is in ``_run_epoch``, and what it counts is tally.py's ``EpochTally``; an evaluation is
+evaluations.py's, the files a finished run leaves final_models.py's; ``__init__`` builds
 every component in six phases (the model, where the run starts, the loop's parts, the
 checkpointer, the measures, the step), each needing the ones before it; ``fit`` is: resume ->
 epochs -> final evaluation -> model.pt. Read them top to bottom. Each component owns its state
@@ -24,7 +25,8 @@ from .config import RunConfig
 from .console import say
 from .data import EvalBatches, MicroBatch, StreamBatches, is_stream, training_batches
 from .errors import ConfigError
-from .observe.evaluation import evaluate
+from .evaluations import Evaluations
+from .final_models import write_final_models
 from .observe.metrics import (
     EpochLosses,
     GradNorms,
@@ -36,7 +38,7 @@ from .observe.report import NullReporter, Reporter
 from .observe.throughput import FlopCount, StepProfiler, device_peak_tflops
 from .optim import ScalerState, SchedulerState, build_optimizer, build_schedule
 from .parallel import make_strategy
-from .parallel.averaging import EMA_DIR, WeightAverage
+from .parallel.averaging import WeightAverage
 from .parallel.base import ModelAndOptimizer, convert_sync_batchnorm
 from .progress import Action, Cadence, Progress
 from .resilience.failures import STEP_NOTE
@@ -44,9 +46,9 @@ from .resilience.guard import NonFiniteGuard
 from .resilience.replicas import ReplicaGroups, data_context
 from .resilience.stop_signals import StopSignal
 from .run_dir import RunDir
-from .snapshots.best import BEST, best_model, write_best
+from .snapshots.best import BEST, best_model
 from .snapshots.checkpointer import Checkpointer, OneTable
-from .snapshots.files import HF_MODEL, atomic_save, snapshot_estimate, space_warning, write_hf_model
+from .snapshots.files import snapshot_estimate, space_warning
 from .snapshots.init_from import load_into, read_weights
 from .snapshots.restore import restore_point, resumed_config
 from .snapshots.uploads import PREEMPTED_UPLOAD_WAIT_S, rank_uploader, upload_wait_s
@@ -123,7 +125,7 @@ class Trainer:
                               "shares cannot move between replica groups); drop one of them")
         # (--fault-tolerance torchft: the data is shared over every replica group's ranks)
         self.batches = training_batches(task.train_set, cfg, data_context(cfg, ctx), task.collate_fn, self.cpu_group)
-        self.eval_batches = None if task.eval_set is None else EvalBatches(
+        eval_batches = None if task.eval_set is None else EvalBatches(
             task.eval_set, cfg.batch_size, ctx.rank, ctx.world_size, self.device, cfg.workers, task.collate_fn,
             equal_counts=self.strategy.forward_syncs)
         self.steps_per_epoch = self.batches.steps_per_epoch  # None: a stream's epoch ends when it does
@@ -133,9 +135,11 @@ class Trainer:
                                     counts=self.strategy.counts_gradients)
         self.guard = NonFiniteGuard(cfg.skip_nonfinite)
         self.best = best_model(cfg, task.eval_set is not None)  # --keep-best / --early-stop
+        self.evaluations = Evaluations(
+            task=task, ctx=ctx, strategy=self.strategy, module=self.module, model=self.model, average=self.average,
+            batches=eval_batches, best=self.best, run_dir=self.run_dir, uploads=self.uploads, watchdog=self.watchdog,
+            share_buffers=self._share_buffers)
         self.cadence = self._cadence()  # what is due after each step
-        self.evaluated_at = -1  # the newest evaluation's global step, and its figures:
-        self.last_evaluation: dict[str, Any] = {}
 
     def _build_checkpointer(self, schedule: Any) -> None:
         """The checkpointer, holding every component's state (``schedule``: the learning rate's
@@ -330,11 +334,7 @@ class Trainer:
         also = {} if self.replicas is None else {"samples_skipped": self.replicas.samples_skipped}  # torchft's
         record = self.tally.epoch_record(epoch, since, self._epoch_samples(partial is not None), partial, **also)
         if self.cadence.evaluate_at_epoch_end(epoch, partial is not None):
-            if self.evaluated_at == self.progress.global_step:  # this step's evaluation ran (and was judged)
-                record.update(self.last_evaluation)
-            else:
-                record.update(self._evaluation())
-                self._judge(record)
+            self.evaluations.add_to(record)
         self.reporter.log(record)
         if partial is None:
             self.tally.next_epoch()
@@ -348,39 +348,10 @@ class Trainer:
 
     def _log_evaluation(self, epoch: int) -> None:
         """An evaluation record of its own (at the start, or every --eval-every-steps), judged."""
-        record = {"kind": "eval", "epoch": epoch, "step": self.progress.global_step, **self._evaluation()}
-        self._judge(record)
+        step = self.progress.global_step
+        record = {"kind": "eval", "epoch": epoch, "step": step, **self.evaluations.run(step)}
+        self.evaluations.judge(record)
         self.reporter.log(record)
-
-    def _judge(self, record: dict[str, Any]) -> None:
-        """--keep-best: every rank judges the same figures; a new best's weights go to best/
-        (under fsdp every rank helps gather them)."""
-        if self.best is None or not self.best.judge(record):
-            return
-        weights = self.strategy.full_model_state(self.module)
-        if weights is not None:
-            written = write_best(weights, self.run_dir, self.best, self.progress.epoch)
-            if self.uploads is not None:
-                for name in written:
-                    self.uploads.add_file(name)
-
-    def _evaluation(self) -> dict[str, Any]:
-        if self.eval_batches is None:
-            return {}
-        self.evaluated_at = self.progress.global_step
-        self._share_buffers()  # every rank evaluates what model.pt holds
-        model = self.strategy.eval_model(self.module, self.model)
-        def run() -> dict[str, float]:
-            return evaluate(model, self.eval_batches, self.task, self.strategy.autocast(),  # type: ignore[arg-type]  # checked above
-                            self.ctx.rank, self.ctx.world_size, self.watchdog,
-                            forward_syncs=self.strategy.forward_syncs)
-
-        self.last_evaluation = {f"eval_{k}": v for k, v in run().items()}
-        if self.average is not None:  # the average's figures beside the weights'
-            with self.average.swapped_in(lambda: self.strategy.settle(self.module)):
-                averaged = run()
-            self.last_evaluation.update({f"ema_eval_{k}": v for k, v in averaged.items() if k != "samples"})
-        return dict(self.last_evaluation)
 
     def _save(self, last: bool = False) -> None:
         """A snapshot after the current step, if the checkpointer wants one (every rank calls
@@ -403,22 +374,7 @@ class Trainer:
         if exiting:
             self.optimizer.state.clear()
             return_free_memory()  # the moments' blocks are shards: the whole tensors cannot reuse them
-        weights = self.strategy.full_model_state(self.module)  # every rank helps under fsdp
-        if weights is not None:
-            atomic_save(weights, self.run_dir / "model.pt")
-            described = write_hf_model(self.module, self.run_dir)  # export --format hf needs no task then
-            if self.uploads is not None:
-                self.uploads.add_file("model.pt")
-                if described:
-                    self.uploads.add_file(HF_MODEL)
-        if self.average is not None:  # ema/model.pt: the average, whole, as model.pt holds the weights
-            with self.average.swapped_in(lambda: self.strategy.settle(self.module)):
-                averaged = self.strategy.full_model_state(self.module)  # (ddp: the parameters themselves)
-                if averaged is not None:
-                    (self.run_dir / EMA_DIR).mkdir(exist_ok=True)
-                    atomic_save(averaged, self.run_dir / EMA_DIR / "model.pt")
-                    if self.uploads is not None:
-                        self.uploads.add_file(f"{EMA_DIR}/model.pt")
+        write_final_models(self.strategy, self.module, self.average, self.run_dir, self.uploads)
         with self.watchdog.waiting("the end: waiting for model.pt"):
             dist.barrier()  # model.pt is complete before any rank reports success
         self.reporter.finish()
