@@ -1,14 +1,16 @@
 """Memory and speed of --strategy ddp and fsdp on a ~34M-parameter MLP (32 blocks of 1024x1024)
 with AdamW, 2 ranks, CPU: ddptrain at its defaults (CPU ranks under mimalloc, launch/allocator.py),
 fsdp under glibc's allocator (DDPTRAIN_ALLOCATOR=system), fsdp with --lean-cpu-memory under glibc,
-and the hand-written FSDP2 loop of `ddptrain bench` (`fully_shard` per block, mp.spawn, glibc).
+and the hand-written FSDP2 loop of `ddptrain bench` (`fully_shard` per block, mp.spawn) under
+glibc and under mimalloc with ddptrain's settings (FSDP2 itself, with none of ddptrain around it).
 
     python benchmarks/fsdp_memory.py [--reps 3] [--no-glibc] [--try-env MIMALLOC_PURGE_DELAY=100]
 
 samples/s: the steady rate of the bench's step clock (bench/clock.py: every contender's loss ticks
 it; the first 5 steps left out). Peak RSS: the largest process of the job over its life (getrusage
 of the children, in a fresh wrapper per run); training peak: the same during training only
-(metrics.jsonl's peak_rss_mb at the last epoch's record, before the final snapshot and model.pt).
+(metrics.jsonl's peak_rss_mb at the last epoch's record, before the final snapshot and model.pt;
+the loop's own reading after its last step, before it gathers the whole weights).
 Model state: parameters + gradients + optimizer state of the largest ddptrain rank (metrics.jsonl).
 Medians over the repetitions, whose order rotates; the ranges are the spread.
 """
@@ -23,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from ddptrain.bench.clock import steady_rate
+from ddptrain.launch.allocator import MIMALLOC_SETTINGS, mimalloc_path
 
 STEPS = 32  # 2 epochs of 512 samples at 2 x 16
 TRAIN = [sys.executable, "-m", "ddptrain", "train", "--task", "ddptrain.bench.jobs:bench_task", "--nproc", "2",
@@ -30,11 +33,13 @@ TRAIN = [sys.executable, "-m", "ddptrain", "train", "--task", "ddptrain.bench.jo
 LOOP = [sys.executable, "-m", "ddptrain.bench.loops", "--loop", "loop", "--job", "fsdp", "--nproc", "2",
         "--epochs", "2"]
 SYSTEM = {"DDPTRAIN_ALLOCATOR": "system"}
+MIMALLOC = {**MIMALLOC_SETTINGS, "LD_PRELOAD": str(mimalloc_path())}  # the hand-written loop under ddptrain's allocator
 VARIANTS = {"ddp": (TRAIN + ["--strategy", "ddp"], {}),
             "fsdp": (TRAIN + ["--strategy", "fsdp"], {}),
             "fsdp, glibc": (TRAIN + ["--strategy", "fsdp"], SYSTEM),
             "fsdp --lean-cpu-memory, glibc": (TRAIN + ["--strategy", "fsdp", "--lean-cpu-memory"], SYSTEM),
-            "hand-written fully_shard loop": (LOOP, {})}
+            "hand-written fully_shard loop": (LOOP, {}),
+            "hand-written loop, mimalloc": (LOOP, MIMALLOC)}
 # Runs the job and prints the largest peak RSS among the processes it started (KiB on Linux).
 WRAPPER = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); "
            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
@@ -51,7 +56,9 @@ def run(command: list[str], env: dict[str, str]) -> dict:
         figures = {"samples_per_s": steady_rate(json.loads(clock.read_text()), 32),
                    "rss_mb": int(done.stdout.split()[-1]) / 1024, "state_mb": float("nan"),
                    "training_rss_mb": float("nan")}
-        metrics = Path(out) / "metrics.jsonl"
+        metrics, loop_peaks = Path(out) / "metrics.jsonl", list(Path(out).glob("training_peak_rss_mb.*"))
+        if loop_peaks:
+            figures["training_rss_mb"] = max(float(p.read_text()) for p in loop_peaks)
         if metrics.exists():
             last = json.loads(metrics.read_text().splitlines()[-1])
             figures["state_mb"] = last["memory_mb"]["model_state_mb"]["max"]

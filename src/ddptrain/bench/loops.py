@@ -65,6 +65,15 @@ def _save(weights: dict[str, torch.Tensor], out: str) -> None:
     torch.save(weights, Path(out) / "model.pt")
 
 
+def _note_training_peak(out: str, rank: int) -> None:
+    """This rank's peak RSS in MB so far (training, before the whole weights are gathered) into
+    ``OUT/training_peak_rss_mb.<rank>``, as ddptrain's metrics.jsonl has it (benchmarks/fsdp_memory.py)."""
+    import resource
+
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    (Path(out) / f"training_peak_rss_mb.{rank}").write_text(str(peak_mb))
+
+
 # --- the hand-written loop, with mp.spawn -----------------------------------------------------------
 def _loop_rank(rank: int, world: int, job_name: str, epochs: int, out: str, grad_norm: bool = False) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -94,6 +103,7 @@ def _loop_rank(rank: int, world: int, job_name: str, epochs: int, out: str, grad
         if norms is not None:  # the epoch's figure, as ddptrain's record has it (one host sync an epoch)
             norms.figures(norms.local_squares())
             norms.reset()
+    _note_training_peak(out, rank)
     weights = _whole_weights(model if job.sharded else cast(torch.nn.Module, model.module), job.sharded)
     if rank == 0:
         _save(weights, out)
