@@ -33,13 +33,13 @@ TRAIN = [sys.executable, "-m", "ddptrain", "train", "--task", "ddptrain.bench.jo
 LOOP = [sys.executable, "-m", "ddptrain.bench.loops", "--loop", "loop", "--job", "fsdp", "--nproc", "2",
         "--epochs", "2"]
 SYSTEM = {"DDPTRAIN_ALLOCATOR": "system"}
-MIMALLOC = {**MIMALLOC_SETTINGS, "LD_PRELOAD": str(mimalloc_path())}  # the hand-written loop under ddptrain's allocator
 VARIANTS = {"ddp": (TRAIN + ["--strategy", "ddp"], {}),
             "fsdp": (TRAIN + ["--strategy", "fsdp"], {}),
             "fsdp, glibc": (TRAIN + ["--strategy", "fsdp"], SYSTEM),
             "fsdp --lean-cpu-memory, glibc": (TRAIN + ["--strategy", "fsdp", "--lean-cpu-memory"], SYSTEM),
-            "hand-written fully_shard loop": (LOOP, {}),
-            "hand-written loop, mimalloc": (LOOP, MIMALLOC)}
+            "hand-written fully_shard loop": (LOOP, {})}
+if mimalloc_path() is not None:  # the hand-written loop under ddptrain's allocator (the wheel is Linux's)
+    VARIANTS["hand-written loop, mimalloc"] = (LOOP, {**MIMALLOC_SETTINGS, "LD_PRELOAD": str(mimalloc_path())})
 # Runs the job and prints the largest peak RSS among the processes it started (KiB on Linux).
 WRAPPER = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); "
            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
