@@ -38,8 +38,9 @@ VARIANTS = {"ddp": (TRAIN + ["--strategy", "ddp"], {}),
             "fsdp, glibc": (TRAIN + ["--strategy", "fsdp"], SYSTEM),
             "fsdp --lean-cpu-memory, glibc": (TRAIN + ["--strategy", "fsdp", "--lean-cpu-memory"], SYSTEM),
             "hand-written fully_shard loop": (LOOP, {})}
-if mimalloc_path() is not None:  # the hand-written loop under ddptrain's allocator (the wheel is Linux's)
-    VARIANTS["hand-written loop, mimalloc"] = (LOOP, {**MIMALLOC_SETTINGS, "LD_PRELOAD": str(mimalloc_path())})
+MIMALLOC = mimalloc_path()  # the hand-written loop under ddptrain's allocator too (the wheel is Linux's)
+if MIMALLOC is not None:
+    VARIANTS["hand-written loop, mimalloc"] = (LOOP, {**MIMALLOC_SETTINGS, "LD_PRELOAD": str(MIMALLOC)})
 # Runs the job and prints the largest peak RSS among the processes it started (KiB on Linux).
 WRAPPER = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); "
            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .comm import CollectiveMarks, DistContext
+from .comm import DistContext
 from .data import EvalBatches
 from .observe.evaluation import evaluate
 from .parallel.averaging import WeightAverage
@@ -27,24 +27,24 @@ class Evaluations:
 
     def __init__(self, *, task: Task, ctx: DistContext, strategy: Strategy, module: torch.nn.Module,
                  model: torch.nn.Module, average: WeightAverage | None, batches: EvalBatches | None,
-                 best: BestModel | None, run_dir: Path, uploads: Uploader | None, watchdog: CollectiveMarks,
+                 best: BestModel | None, run_dir: Path, uploads: Uploader | None,
                  share_buffers: Callable[[], None]) -> None:
         self.task, self.ctx, self.strategy, self.module, self.model = task, ctx, strategy, module, model
         self.average, self.batches, self.best, self.run_dir, self.uploads = average, batches, best, run_dir, uploads
-        self.watchdog, self.share_buffers = watchdog, share_buffers
+        self.share_buffers = share_buffers
         self.evaluated_at = -1  # the newest evaluation's global step, and its figures:
         self.newest: dict[str, Any] = {}
 
     def add_to(self, record: dict[str, Any]) -> None:
-        """The figures of the evaluation at the record's step into ``record`` (an epoch's):
-        run and judged, unless that step's evaluation already ran (and was judged)."""
+        """The figures of the evaluation at the record's step into ``record`` (an epoch's, or an
+        evaluation's own), run and judged, unless that step's evaluation already ran (and was judged)."""
         if self.evaluated_at == record["step"]:
             record.update(self.newest)
             return
-        record.update(self.run(record["step"]))
-        self.judge(record)
+        record.update(self._run(record["step"]))
+        self._judge(record)
 
-    def run(self, step: int) -> dict[str, Any]:
+    def _run(self, step: int) -> dict[str, Any]:
         """``eval_<name>`` for the weights' figures and ``ema_eval_<name>`` for the average's (every rank calls it)."""
         if self.batches is None:
             return {}
@@ -55,7 +55,7 @@ class Evaluations:
 
         def figures() -> dict[str, float]:
             return evaluate(model, batches, self.task, self.strategy.autocast(), self.ctx.rank, self.ctx.world_size,
-                            self.watchdog, forward_syncs=self.strategy.forward_syncs)
+                            self.ctx.watchdog, forward_syncs=self.strategy.forward_syncs)
 
         self.newest = {f"eval_{k}": v for k, v in figures().items()}
         if self.average is not None:  # the average's figures beside the weights'
@@ -64,7 +64,7 @@ class Evaluations:
             self.newest.update({f"ema_eval_{k}": v for k, v in averaged.items() if k != "samples"})
         return dict(self.newest)
 
-    def judge(self, record: dict[str, Any]) -> None:
+    def _judge(self, record: dict[str, Any]) -> None:
         """--keep-best: every rank judges the same record (its figures, step and epoch); a new
         best's weights go to best/ (under fsdp every rank helps gather them)."""
         if self.best is None or not self.best.judge(record):

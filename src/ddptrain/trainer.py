@@ -137,7 +137,7 @@ class Trainer:
         self.best = best_model(cfg, task.eval_set is not None)  # --keep-best / --early-stop
         self.evaluations = Evaluations(
             task=task, ctx=ctx, strategy=self.strategy, module=self.module, model=self.model, average=self.average,
-            batches=eval_batches, best=self.best, run_dir=self.run_dir, uploads=self.uploads, watchdog=self.watchdog,
+            batches=eval_batches, best=self.best, run_dir=self.run_dir, uploads=self.uploads,
             share_buffers=self._share_buffers)
         self.cadence = self._cadence()  # what is due after each step
 
@@ -348,9 +348,8 @@ class Trainer:
 
     def _log_evaluation(self, epoch: int) -> None:
         """An evaluation record of its own (at the start, or every --eval-every-steps), judged."""
-        step = self.progress.global_step
-        record = {"kind": "eval", "epoch": epoch, "step": step, **self.evaluations.run(step)}
-        self.evaluations.judge(record)
+        record = {"kind": "eval", "epoch": epoch, "step": self.progress.global_step}
+        self.evaluations.add_to(record)
         self.reporter.log(record)
 
     def _save(self, last: bool = False) -> None:

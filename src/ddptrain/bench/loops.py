@@ -68,10 +68,9 @@ def _save(weights: dict[str, torch.Tensor], out: str) -> None:
 def _note_training_peak(out: str, rank: int) -> None:
     """This rank's peak RSS in MB so far (training, before the whole weights are gathered) into
     ``OUT/training_peak_rss_mb.<rank>``, as ddptrain's metrics.jsonl has it (benchmarks/fsdp_memory.py)."""
-    import resource
+    from ..observe.metrics import peak_rss_mb
 
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    (Path(out) / f"training_peak_rss_mb.{rank}").write_text(str(peak_mb))
+    (Path(out) / f"training_peak_rss_mb.{rank}").write_text(str(peak_rss_mb()))
 
 
 # --- the hand-written loop, with mp.spawn -----------------------------------------------------------
