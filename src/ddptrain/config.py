@@ -47,6 +47,10 @@ MATH_FIELDS = ("task", "seed", "lr", "optimizer", "momentum", "weight_decay", "l
                "warmup_steps", "max_epochs", "max_steps", "global_batch", "grad_accum", "precision",
                "clip_grad", "sync_batchnorm")
 
+# Settings a resume keeps too, though they leave the math of the weights alone: the average
+# (--ema) and the figure best/ is judged by (--keep-best). Snapshots before 0.5 do not hold them.
+KEPT_ON_RESUME = ("ema", "ema_every", "keep_best")
+
 # Settings that do not define *which* run this is: changing them keeps the default run dir,
 # so the same command (or the same command with more epochs) finds its run again.
 NOT_IDENTITY = ("run_dir", "resume", "max_epochs", "max_steps", "progress", "tensorboard", "tracker", "plot",
@@ -232,6 +236,8 @@ class RunConfig:
             del values["max_steps"]  # snapshots from before the setting existed match
         if not self.sync_batchnorm:
             del values["sync_batchnorm"]  # snapshots from before the setting existed match
+        values.update(ema=self.ema, ema_every=self.ema_every if self.ema else 1,
+                      keep_best=":".join(watched_metric(self.keep_best)) if self.keep_best.strip() else "")
         return values
 
     def identity(self) -> dict[str, Any]:
@@ -325,6 +331,16 @@ def validate(cfg: RunConfig) -> None:
          f"--clip-grad must be a finite number > 0, got {cfg.clip_grad}"),
         (cfg.bucket_cap_mb is None or (math.isfinite(cfg.bucket_cap_mb) and cfg.bucket_cap_mb > 0),
          f"--bucket-cap-mb must be a finite number > 0, got {cfg.bucket_cap_mb}"),
+        # flags that would do nothing: said, not silently accepted
+        (cfg.early_stop or not cfg.early_stop_delta,
+         "--early-stop-delta belongs to --early-stop N; add it, or drop --early-stop-delta"),
+        (not cfg.early_stop or cfg.eval_every or cfg.eval_every_steps,
+         f"--early-stop {cfg.early_stop} needs evaluations during the run, but --eval-every 0 evaluates only at "
+         "the end; set --eval-every N (epochs) or --eval-every-steps N"),
+        (cfg.ema or cfg.ema_every == 1, "--ema-every belongs to --ema DECAY; add it (e.g. --ema 0.999), or drop "
+         "--ema-every"),
+        (cfg.init_from or not cfg.init_from_partial,
+         "--init-from-partial belongs to --init-from PATH; add it, or drop --init-from-partial"),
     ]
     for ok, message in checks:
         if not ok:

@@ -103,6 +103,13 @@ class Cadence:
         """After the step's evaluation: --early-stop may end the run here."""
         return dataclasses.replace(action, end=action.end or self.stopped_early())
 
+    def epoch_record_follows(self, epoch: int, action: Action) -> bool:
+        """Whether the epoch's record, with an evaluation, is written at this step (after which
+        this step's evaluation needs no record of its own): its last step, or the run's."""
+        if action.epoch_over:
+            return self.evaluate_at_epoch_end(epoch, partial=False)
+        return action.end and self.evaluate_at_epoch_end(epoch, partial=True)
+
     def steps_reached(self) -> bool:
         return self.max_steps is not None and self.progress.global_step >= self.max_steps
 

@@ -48,7 +48,7 @@ from .resilience.stop_signals import StopSignal
 from .run_dir import RunDir
 from .snapshots.best import BEST, best_model
 from .snapshots.checkpointer import Checkpointer, OneTable
-from .snapshots.files import snapshot_estimate, space_warning
+from .snapshots.files import list_snapshots, snapshot_dir, snapshot_estimate, space_warning
 from .snapshots.init_from import load_into, read_weights
 from .snapshots.restore import restore_point, resumed_config
 from .snapshots.uploads import PREEMPTED_UPLOAD_WAIT_S, rank_uploader, upload_wait_s
@@ -108,14 +108,22 @@ class Trainer:
         """Where the run starts: a snapshot (chosen by rank 0, checked by all), else --init-from's
         weights, else the model as built. It decides the batch size (a resume on another world size
         keeps the snapshot's global batch), and the batch size the data, the epoch and the schedule."""
+        # Checked before a fresh start moves an earlier run's files aside: --keep-best's evaluation
+        # set and, where the run starts afresh, --init-from's weights (loaded now: every rank reads them).
+        self.best = best_model(self.cfg, self.task.eval_set is not None)
+        fresh = self.cfg.resume == "never" or not list_snapshots(snapshot_dir(self.run_dir))  # (a store's: not pulled)
+        initialised = self._init_from() if fresh and self.cfg.init_from else None
         self.start = restore_point(self.cfg, self.ctx, self.home, self.module, self.weights.state_dict,
                                    self.watchdog)
         self.cfg = resumed_config(self.start, self.cfg, self.ctx.world_size, self.reporter.info)
-        if self.start is None and self.cfg.init_from:  # weights only, before step 0 (every rank reads them)
-            self.reporter.info(load_into(self.module, read_weights(self.cfg.init_from), self.cfg.init_from,
-                                         self.cfg.init_from_partial))
+        if self.start is None and self.cfg.init_from:  # weights only, before step 0
+            self.reporter.info(initialised or self._init_from())
             if self.average is not None:
                 self.average.restart()
+
+    def _init_from(self) -> str:
+        """--init-from's weights into the model; the line that says what was loaded."""
+        return load_into(self.module, read_weights(self.cfg.init_from), self.cfg.init_from, self.cfg.init_from_partial)
 
     def _build_loop(self) -> None:
         """The batches, what a step and an epoch keep count of, and when things are due."""
@@ -134,7 +142,6 @@ class Trainer:
         self.grad_norms = GradNorms(self.device, self.steps_per_epoch or 64, carries=ctx.is_main,
                                     counts=self.strategy.counts_gradients)
         self.guard = NonFiniteGuard(cfg.skip_nonfinite)
-        self.best = best_model(cfg, task.eval_set is not None)  # --keep-best / --early-stop
         self.evaluations = Evaluations(
             task=task, ctx=ctx, strategy=self.strategy, module=self.module, model=self.model, average=self.average,
             batches=eval_batches, best=self.best, run_dir=self.run_dir, uploads=self.uploads,
@@ -230,6 +237,7 @@ class Trainer:
     def _fit(self, exiting: bool) -> str:
         if self.checkpointer.resume():
             if self.cadence.done() and self.cfg.epochs > 0:
+                self.reporter.catch_up()
                 return "already_finished"
             where = f"epoch {self.progress.epoch}, step {self.progress.global_step}"
             self.reporter.info(f"resumed from {self.checkpointer.start.path}: {where}")  # type: ignore[union-attr]  # resume() found a start
@@ -248,7 +256,7 @@ class Trainer:
                                f"{self.device.type}/{self.ctx.backend}, global batch {self.global_batch}, "
                                f"{self.steps_per_epoch or 'as many as the stream gives'} steps per epoch")
         if self.cfg.epochs == 0:  # the initial model's evaluation, before epoch 0
-            self._log_evaluation(0)
+            self.reporter.log(self._evaluation(0))
         while not self.cadence.done():
             try:
                 ended_by = self._run_epoch(self.progress.epoch)
@@ -262,7 +270,8 @@ class Trainer:
                 self.checkpointer.commit()
                 return "preempted"
         if self.best is not None and self.best.stopped:
-            self.reporter.info(f"ddptrain: {self.best.stop_line()}; best model: {self.run_dir / BEST / 'model.pt'}")
+            self.reporter.info(f"ddptrain: {self.best.stop_line(self.progress.global_step)}; best model: "
+                               f"{self.run_dir / BEST / 'model.pt'}")
         self._finish(exiting)
         return "finished"
 
@@ -284,8 +293,10 @@ class Trainer:
         while not action.leaves_epoch and self._train_step(steps):
             action = self.cadence.after_step(*self.stop_signal.check())
             if action.evaluate:  # before this step's snapshot: it holds the verdict
-                self._log_evaluation(epoch)
+                record = self._evaluation(epoch)
                 action = self.cadence.judged(action)
+                if not self.cadence.epoch_record_follows(epoch, action):  # else the epoch's record carries it
+                    self.reporter.log(record)
             if action.save_now:
                 self._save()
         self.reporter.epoch_finished()
@@ -346,11 +357,11 @@ class Trainer:
             return self.progress.epoch_samples
         return self.batches.epoch_samples  # type: ignore[union-attr]  # map-style here: TrainBatches
 
-    def _log_evaluation(self, epoch: int) -> None:
+    def _evaluation(self, epoch: int) -> dict[str, Any]:
         """An evaluation record of its own (at the start, or every --eval-every-steps), judged."""
         record = {"kind": "eval", "epoch": epoch, "step": self.progress.global_step}
         self.evaluations.add_to(record)
-        self.reporter.log(record)
+        return record
 
     def _save(self, last: bool = False) -> None:
         """A snapshot after the current step, if the checkpointer wants one (every rank calls

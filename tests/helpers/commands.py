@@ -46,6 +46,30 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def listening_addresses(pids: list[int]) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket these processes listen on, read from /proc."""
+    import ipaddress
+
+    inodes = set()
+    for pid in pids:
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:  # gone, or a descriptor closed between the listing and the read
+            continue
+        inodes |= {link[8:-1] for link in links if link.startswith("socket:[")}
+    found = set()
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)  # little-endian 32-bit words
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add((str(ipaddress.ip_address(raw) if width == 16 else ipaddress.IPv4Address(raw)),
+                           int(port, 16)))
+    return found
+
+
 def kill_tree(process: subprocess.Popen) -> None:
     """SIGKILL ``process`` and everything it started. Found by parentage before anything dies
     (an orphan is adopted by init): torchrun's workers are not in torchrun's process group."""

@@ -44,6 +44,9 @@ def test_the_kept_best_is_the_lowest_evaluation_and_its_snapshot(two_ranks):
     last_step = last["step"]
     assert last_step < 10 * 23 and evaluations[-1][0] == last_step
     assert last.get("ended_by") == ("--early-stop" if last_step % 23 else None), last  # inside an epoch: partial
+    # an evaluation at an epoch's (or the run's) last step is in the epoch's record, not recorded twice
+    assert len({s for s, _ in evaluations}) == len(evaluations), evaluations
+    assert "eval_loss" in last and last["kind"] == "epoch"
     summary = ddptrain_cli("report", str(two_ranks))
     assert summary.returncode == 0 and re.search(rf"best_step +{step}\n", summary.stdout), summary.stdout
     assert f"ddptrain export {two_ranks} --best --format safetensors" in summary.stdout
@@ -56,8 +59,10 @@ def test_the_kept_best_is_the_lowest_evaluation_and_its_snapshot(two_ranks):
 def test_one_rank_stops_where_two_do_and_keeps_the_same_best(two_ranks, tmp_path, capfd):
     fit("digits", tmp_path / "one", nproc=1, batch_size=64, **BEST)
     kept = _kept(tmp_path / "one")
-    assert (f"ddptrain: stopped early at eval_loss {kept['value']:.6g} (step {kept['step']}): 2 evaluation(s) in a "
-            "row without an improvement of more than 0.005 (--early-stop 2); best model: ") in capfd.readouterr().out
+    stopped_at = read_metrics(tmp_path / "one")[-1]["step"]
+    assert (f"ddptrain: stopped early at step {stopped_at}: 2 evaluation(s) in a row without an improvement of more "
+            f"than 0.005 (--early-stop 2); the best eval_loss {kept['value']:.6g} was at step {kept['step']}; "
+            "best model: ") in capfd.readouterr().out
     assert _kept(tmp_path / "one")["step"] == _kept(two_ranks)["step"]
     assert read_metrics(tmp_path / "one")[-1]["step"] == read_metrics(two_ranks)[-1]["step"]
     assert kept["value"] == pytest.approx(_kept(two_ranks)["value"], rel=1e-4)

@@ -50,6 +50,12 @@ CASES = [
     (["--backend", "nccl", "--device", "cpu"], {}, "--backend nccl needs CUDA"),
     (["--comm-hook", "bf16", "--device", "cpu"], {}, "--comm-hook bf16 needs the nccl backend"),
     (["--strategy", "zero"], {}, "invalid choice: 'zero'"),
+    # flags that would do nothing
+    (["--early-stop-delta", "0.01"], {}, "--early-stop-delta belongs to --early-stop N"),
+    (["--ema-every", "4"], {}, "--ema-every belongs to --ema DECAY"),
+    (["--init-from-partial"], {}, "--init-from-partial belongs to --init-from PATH"),
+    (["--keep-best", "eval_loss", "--early-stop", "2", "--eval-every", "0"], {},
+     "--early-stop 2 needs evaluations during the run, but --eval-every 0 evaluates only at the end"),
     (["--strategy", "fsdp", "--comm-hook", "fp16"], {}, "--comm-hook is a DDP option"),
     (["--strategy", "fsdp", "--static-graph"], {}, "--static-graph is a DDP option"),
     (["--strategy", "fsdp", "--bucket-cap-mb", "5"], {}, "--bucket-cap-mb is a DDP option"),

@@ -107,3 +107,27 @@ def test_report_names_the_average_and_export_writes_it(runs, tmp_path):
     assert_same_weights(load_file(str(out)), _average(runs / "ddp"), exact=True)
     missing = ddptrain_cli("export", str(runs / "fsdp"), "--best", "--out", str(tmp_path / "x.safetensors"))
     assert missing.returncode == 2 and "train with --keep-best" in missing.stderr
+
+
+@pytest.mark.parametrize("changed,words", [
+    (["--ema", "0.5"], "ema: 0.9 -> 0.5"),  # another decay would mix two averages
+    ([], "ema: 0.9 -> 0.0"),  # dropping --ema would silently stop the average
+    (["--ema", "0.9", "--keep-best", "eval_accuracy"], "keep_best: '' -> 'eval_accuracy:max'"),
+])
+def test_a_resume_with_another_average_or_best_metric_is_refused_in_one_line(runs, changed, words, tmp_path, capfd):
+    """Resumed with more epochs (the same run) but another --ema or --keep-best: exit 2, one line,
+    and the run's snapshots untouched."""
+    import shutil
+
+    from ddptrain.cli import main
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs / "ddp", run_dir)
+    before = sorted(p.name for p in (run_dir / "snapshots").iterdir())
+    capfd.readouterr()
+    code = main(["train", "--task", "digits", "--run-dir", str(run_dir), "--nproc", "2", "--max-epochs", "3",
+                 *changed])
+    err = capfd.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+    assert "use the original flags" in err
+    assert sorted(p.name for p in (run_dir / "snapshots").iterdir()) == before

@@ -2,13 +2,14 @@
 under ddp and fsdp; strict by default (one line, exit 2), --init-from-partial names the rest."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from ddptrain import RunConfig
+from ddptrain import ConfigError, RunConfig
 from ddptrain.tasks import build
 from helpers.commands import REPO, assert_same_weights, ddptrain_cli, fit, load_model
 
@@ -61,16 +62,47 @@ def test_other_weights_are_one_line_unless_partial(source, tmp_path, capfd):
     assert refused.stderr.strip() == (f"ddptrain: error: --init-from {tmp_path / 'other.pt'}: not this model's "
                                       "weights (2 missing, e.g. ['bias', 'weight']; 1 unexpected, e.g. "
                                       "['encoder.weight']); add --init-from-partial to load the tensors that match")
-    torch.save({"weight": torch.zeros(1, 5)}, tmp_path / "shape.pt")
+    torch.save({"weight": torch.zeros(1, 5), "bias": trained["bias"]}, tmp_path / "shape.pt")  # another head
     shape = ddptrain_cli("train", "--task", "regression", "--max-epochs", "0", "--run-dir", str(tmp_path / "s"),
-                         "--init-from", str(tmp_path / "shape.pt"), "--init-from-partial")
-    assert shape.returncode == 2 and "weight has shape (1, 5) there, (1, 20) in the model" in shape.stderr
+                         "--init-from", str(tmp_path / "shape.pt"))
+    assert shape.returncode == 2 and len(shape.stderr.strip().splitlines()) == 1, shape.stderr
+    assert "weight has shape (1, 5) there, (1, 20) in the model" in shape.stderr
+    assert "--init-from-partial" in shape.stderr
+    capfd.readouterr()
+    started = _started_from(tmp_path, "reshaped", tmp_path / "shape.pt", init_from_partial=True)  # the head as built
+    assert torch.equal(started["bias"], trained["bias"]) and not torch.equal(started["weight"], torch.zeros(1, 20))
+    assert (f"initialised from {tmp_path / 'shape.pt'}: 1 tensor(s); left as built: ['weight']; ignored: []; "
+            "of another shape: weight (1, 5) there, (1, 20) here") in capfd.readouterr().out
 
     torch.save({"weight": trained["weight"], "extra": torch.ones(2)}, tmp_path / "part.pt")
     started = _started_from(tmp_path, "partial", tmp_path / "part.pt", init_from_partial=True)
     assert torch.equal(started["weight"], trained["weight"]) and not torch.equal(started["bias"], trained["bias"])
     out = capfd.readouterr().out
     assert f"initialised from {tmp_path / 'part.pt'}: 1 tensor(s); left as built: ['bias']; ignored: ['extra']" in out
+
+
+
+def test_an_unreadable_weights_file_is_named_with_what_is_wrong_with_it(source, tmp_path):
+    """Not torch's advice about _use_new_zipfile_serialization cut mid-sentence: the file and its fault.
+    Given with --resume never on a finished run, the error comes before its files are moved aside."""
+    import shutil
+
+    from ddptrain.snapshots.init_from import read_weights
+
+    (tmp_path / "empty.pt").write_bytes(b"")
+    finished = tmp_path / "finished"
+    shutil.copytree(source, finished)
+    bad = ddptrain_cli("train", "--task", "regression", "--max-epochs", "1", "--run-dir", str(finished),
+                       "--resume", "never", "--init-from", str(tmp_path / "empty.pt"))
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert f"{tmp_path / 'empty.pt'} is empty (0 bytes)" in bad.stderr and "_use_new_zipfile" not in bad.stderr
+    assert sorted(p.name for p in finished.iterdir()) == sorted(p.name for p in source.iterdir())  # nothing moved
+    for name, content, words in [("cut.pt", (source / "model.pt").read_bytes()[:300], "is damaged (300 bytes; "),
+                                 ("notes.pt", b"hello", "is neither a torch.save file nor safetensors"),
+                                 ("cut.safetensors", b"hello", "is not a readable safetensors file (5 bytes")]:
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / name} {words}")):
+            read_weights(str(tmp_path / name))
 
 
 def test_a_transformers_save_pretrained_folder_starts_the_examples_gpt2(tmp_path):

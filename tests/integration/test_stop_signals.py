@@ -3,6 +3,7 @@ never stops training, and a user's own script always exits (no deadlock at inter
 Real commands, real signals, a real CPU hog."""
 
 import concurrent.futures
+import ipaddress
 import os
 import signal
 import subprocess
@@ -11,7 +12,19 @@ import time
 
 import pytest
 
-from helpers.commands import BIN, REPO, assert_ok, assert_same_weights, clean_env, finish, load_model, read_metrics, run
+from helpers.commands import (
+    BIN,
+    REPO,
+    assert_ok,
+    assert_same_weights,
+    clean_env,
+    descendants,
+    finish,
+    listening_addresses,
+    load_model,
+    read_metrics,
+    run,
+)
 
 EPOCHS = 400
 # 32 samples, 2 ranks x 16: one step per epoch, so a stop lands at an epoch's last step too. 8 ms
@@ -55,6 +68,9 @@ def test_a_stop_signal_to_the_launcher_ends_the_job_within_10_s_and_it_resumes_b
     while len(read_metrics(run_dir)) < 20 and time.monotonic() < deadline:
         time.sleep(0.05)
     ranks = [int(p.read_text()) for p in (run_dir / "pids").glob("rank-*.pid")]
+    # every rank on this machine: the launcher's and rank 0's stores listen on loopback alone
+    listening = listening_addresses([job.pid, *descendants(job.pid)])
+    assert len(listening) >= 2 and all(ipaddress.ip_address(a).is_loopback for a, _ in listening), listening
     signalled = time.monotonic()
     os.kill(job.pid, sig)
     out, err, late = finish(job, timeout=10)

@@ -154,7 +154,8 @@ def test_a_kill_at_any_moment_leaves_every_tracker_each_metric_and_step_once(mlf
 
 def test_a_tracker_server_that_never_answers_holds_the_end_at_most_15_s_and_says_why(tmp_path):
     """A server that accepts connections and never answers: training goes on; the end waits a
-    bounded time, saying so when the wait starts."""
+    bounded time, saying so when the wait starts; the trackers beside it (W&B offline, the CSV
+    file) get every record all the same (each tracker has a thread of its own)."""
     import os
     import socket
     import threading
@@ -176,8 +177,9 @@ def test_a_tracker_server_that_never_answers_holds_the_end_at_most_15_s_and_says
     try:
         run_dir = tmp_path / "run"
         uri = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        result = ddptrain_cli("train", "--task", "digits", "--max-epochs", "1", "--tracker", "mlflow",
-                              "--run-dir", str(run_dir), env=clean_env(MLFLOW_TRACKING_URI=uri), timeout=120)
+        result = ddptrain_cli("train", "--task", "digits", "--max-epochs", "2", "--tracker", "mlflow,wandb,csv",
+                              "--run-dir", str(run_dir), env=clean_env(MLFLOW_TRACKING_URI=uri, WANDB_MODE="offline"),
+                              timeout=120)
         ended = time.time()
     finally:
         stop.set()
@@ -190,6 +192,13 @@ def test_a_tracker_server_that_never_answers_holds_the_end_at_most_15_s_and_says
     assert ended - last_step < 15, f"{ended - last_step:.1f} s after the last record"
     assert "ddptrain: warning: waiting up to 10 s for mlflow (" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+    from ddptrain.observe.tracking import metrics_of
+
+    records = read_metrics(run_dir)
+    wandb = _wandb_pairs(run_dir)
+    assert set(wandb) == {(key, r["step"]) for r in records for key in metrics_of(r)}, wandb
+    with open(run_dir / "metrics.csv") as handle:
+        assert [int(line.split(",")[0]) for line in handle.readlines()[1:]] == [r["step"] for r in records]
 
 
 @pytest.mark.parametrize("uri", ["localhost:5000", "htp://localhost:5000", "http://localhost:port", "http://"])
@@ -199,3 +208,36 @@ def test_an_mlflow_address_that_cannot_work_is_one_line_before_training(tmp_path
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert result.stderr.startswith(f"ddptrain: error: MLFLOW_TRACKING_URI={uri!r}: "), result.stderr
     assert not (tmp_path / "r").exists()  # nothing written
+
+
+def test_a_kill_during_the_runs_end_then_the_same_command_catches_every_tracker_up(tmp_path, start):
+    """SIGKILL of the launcher's whole group on the "summary" line (the trackers still finishing:
+    W&B offline, the CSV file), then the same command: it says the run already finished, and each
+    tracker holds every (metric, step) of metrics.jsonl once."""
+    from ddptrain.observe.tracking import metrics_of
+    from helpers.commands import BIN, kill_tree
+
+    run_dir = tmp_path / "run"
+    command = [str(BIN / "ddptrain"), "train", "--task", "digits", "--max-epochs", "3", "--tracker", "wandb,csv",
+               "--run-dir", str(run_dir), "--nproc", "2"]
+    env = clean_env(WANDB_MODE="offline")
+    process = start(command, env=env)
+    seen = []
+    for line in process.stdout:  # (the test's own timeout bounds it: the run ends in ~10 s)
+        seen.append(line)
+        if line.startswith("summary"):
+            kill_tree(process)
+            break
+    process.wait(timeout=30)
+    assert any(line.startswith("summary") for line in seen), "".join(seen)
+    again = ddptrain_cli(*command[1:], env=env)
+    assert_ok(again)
+    assert "holds a run that already finished 3 epoch(s)" in again.stdout, again.stdout
+    records = read_metrics(run_dir)
+    expected = {(key, r["step"]) for r in records for key in metrics_of(r)}
+    wandb = _wandb_pairs(run_dir)
+    assert set(wandb) == expected and set(wandb.values()) == {1}, wandb
+    import csv
+
+    with open(run_dir / "metrics.csv", newline="") as handle:
+        assert [int(row["step"]) for row in csv.DictReader(handle)] == [r["step"] for r in records]

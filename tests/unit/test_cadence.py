@@ -169,3 +169,18 @@ def test_evaluation_at_the_epoch_where_max_steps_was_reached():
     run_to(progress, 20)
     assert c.evaluate_at_epoch_end(1, partial=False)
     assert not cadence(evaluates=False)[0].evaluate_at_epoch_end(4, partial=True)
+
+
+@pytest.mark.parametrize(("steps", "options", "early", "follows"), [
+    (10, {"eval_every_steps": 5}, False, True),  # the epoch's last step: its record carries the evaluation
+    (10, {"eval_every_steps": 5, "eval_every": 2, "max_epochs": 5}, False, False),  # no evaluation in that record
+    (5, {"eval_every_steps": 5}, False, False),  # inside the epoch: a record of its own
+    (5, {"eval_every_steps": 5}, True, True),  # --early-stop ends the run here: the partial epoch's record
+])
+def test_an_evaluation_is_in_the_epochs_record_when_that_record_is_written_at_its_step(steps, options, early, follows):
+    stopped = [False]
+    c, progress = cadence(early=stopped, **options)
+    action = actions(c, progress, steps)[-1]
+    assert action.evaluate
+    stopped[0] = early
+    assert c.epoch_record_follows(0, c.judged(action)) is follows

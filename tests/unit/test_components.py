@@ -94,3 +94,27 @@ def test_grad_norms_are_the_mean_and_largest_over_the_epoch_and_a_resume_adds_up
     silent = GradNorms(torch.device("cpu"), capacity=4, counts=False)  # ddp's other ranks: the same length, zeros
     silent.add(steps[0])
     assert silent.local_squares().tolist() == [0.0]
+
+
+def test_seed_sets_every_global_generator_a_task_may_draw_from():
+    """Two fresh builds of a task that draws from Python's random and numpy get the same draws
+    (--seed used to seed torch only); another seed, other draws."""
+    import random
+
+    import numpy as np
+
+    from ddptrain import RunConfig, Task
+    from ddptrain.tasks import build
+
+    drawn = []
+
+    def factory(cfg):
+        drawn.append((random.random(), float(np.random.rand()), float(torch.rand(1))))
+        return Task(model=torch.nn.Linear(2, 1), train_set=torch.utils.data.TensorDataset(torch.ones(4, 2)),
+                    loss_fn=torch.nn.functional.mse_loss)
+
+    for seed in (3, 3, 4):
+        random.seed()  # whatever state the process was in before
+        np.random.seed(None)
+        build(RunConfig(seed=seed), factory)
+    assert drawn[0] == drawn[1] and all(a != b for a, b in zip(drawn[0], drawn[2]))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ddptrain import ConfigError
+from ddptrain.errors import SnapshotError
 from ddptrain.run_dir import RunDir
 from ddptrain.snapshots import files
 from ddptrain.snapshots.dcp import remove_partials
@@ -142,3 +143,16 @@ def test_init_from_counts_a_tied_weight_as_present_when_its_twin_is():
     model, source = Tied(), torch.arange(15.0).reshape(5, 3)
     assert load_into(model, {"embed.weight": source}, "hf", partial=False) == "initialised from hf: 1 tensor(s)"
     assert torch.equal(model.head.weight, source)
+
+
+def test_a_resume_keeps_the_average_and_the_best_metric_but_older_snapshots_are_not_asked():
+    from ddptrain import RunConfig
+
+    taken = RunConfig(ema=0.99, keep_best="loss").math_fingerprint(2)
+    files.check_fingerprint(taken, RunConfig(ema=0.99, keep_best="eval_loss:min").math_fingerprint(2), Path("s"))
+    for other in (RunConfig(ema=0.9, keep_best="loss"), RunConfig(keep_best="loss"),
+                  RunConfig(ema=0.99, ema_every=4, keep_best="loss"), RunConfig(ema=0.99, keep_best="eval_accuracy")):
+        with pytest.raises(SnapshotError, match="taken with other settings"):
+            files.check_fingerprint(taken, other.math_fingerprint(2), Path("s"))
+    before_05 = {k: v for k, v in taken.items() if k not in ("ema", "ema_every", "keep_best")}
+    files.check_fingerprint(before_05, RunConfig(ema=0.5).math_fingerprint(2), Path("s"))

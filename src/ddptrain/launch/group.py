@@ -12,7 +12,9 @@ of a rank's life, so a rank that hangs or fails during start-up is noticed and n
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -73,6 +75,43 @@ def hosts_store(env: Environment) -> bool:
     return not uses_agent_store() and env.rank == 0
 
 
+def is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
+def loopback_listener(addr: str, port: int) -> tuple[int, int] | None:
+    """(file descriptor, port) of a socket listening on ``addr:port`` (port 0: the OS picks one)
+    when ``addr`` is a loopback address, for a TCPStore server to serve on (its
+    ``master_listen_fd``); None elsewhere. A store left to listen by itself serves on every
+    interface (``*:PORT``); a job whose every rank is on this machine needs loopback alone."""
+    if not is_loopback(addr):
+        return None
+    host = "127.0.0.1" if addr == "localhost" else addr
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(4096)
+        port = listener.getsockname()[1]
+    except OSError:
+        listener.close()
+        raise
+    return listener.detach(), port  # the store owns the socket now
+
+
+def store_server(addr: str, port: int, timeout_s: float, world_size: int | None = None) -> dist.TCPStore:
+    """A TCPStore server at ``addr:port``, on loopback alone where ``addr`` is loopback. Made
+    ``multi_tenant``: a store torch creates later on the same port in this process (the elastic
+    agent's rendezvous, ``init_process_group``) is this one."""
+    listening = loopback_listener(addr, port)
+    fd, port = listening if listening is not None else (None, port)
+    return dist.TCPStore(addr, port, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False, multi_tenant=True, master_listen_fd=fd)
+
+
 def connect_store(env: Environment, timeout_s: float) -> dist.Store:
     """The job's store: rank 0 hosts it (or torchrun's agent does); the others connect. In a
     process group someone else started (Ray Train's workers: ``init_process_group("env://")``),
@@ -81,8 +120,9 @@ def connect_store(env: Environment, timeout_s: float) -> dist.Store:
     ``wait_for_workers=False``: rank 0 does not block here until every rank has connected,
     so its watchdog runs while a late rank is still starting (and can name it)."""
     timeout = datetime.timedelta(seconds=timeout_s + BACKSTOP_EXTRA_S)
-    serve = hosts_store(env) and not dist.is_initialized()
-    return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=serve,
+    if hosts_store(env) and not dist.is_initialized():
+        return store_server(env.master_addr, env.master_port, timeout_s + BACKSTOP_EXTRA_S, env.world_size)
+    return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
                          timeout=timeout, wait_for_workers=False, multi_tenant=True)
 
 

@@ -31,7 +31,7 @@ from ..resilience.stop_signals import restore_handlers
 from ..run_dir import RunDir
 from ..tasks.protocol import TaskFactory
 from .environments import Environment, LocalEnvironment
-from .group import cuda_count
+from .group import cuda_count, is_loopback, store_server
 from .rank import Outcome, rank_entry
 
 # The elastic agent installs handlers for these in the launching process and leaves them.
@@ -107,8 +107,12 @@ def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFact
     run_dir = RunDir.of(cfg.run_dir).local  # a store's run dir: this machine's mirror (logs stay here)
     addr, port = env.master_addr, env.master_port  # port 0: the OS picks a free one, no clashes
     meeting = env.rendezvous(cfg.timeout)
+    agent_store = None
     if meeting.own_endpoint:
         check_can_listen(addr, port)
+        if env.nodes == 1 and is_loopback(addr):  # every rank is here: the agent's store on loopback alone
+            agent_store = store_server(addr, port, cfg.timeout)  # (the rendezvous's store is this one)
+            port = agent_store.port
     config = LaunchConfig(
         min_nodes=env.nodes, max_nodes=env.nodes, nproc_per_node=nproc, run_id=meeting.run_id,
         # c10d, not the faster "static" rendezvous (0.13 s against 0.3-0.4 s here): under static,

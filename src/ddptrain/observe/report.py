@@ -77,6 +77,23 @@ class Reporter:
             self.tracking = Tracking(make_trackers(cfg), self.run_dir)
             self.tracking.begin(json.loads(cfg.to_json()), kept)  # what a tracker lacks of them, first
 
+    def catch_up(self) -> None:
+        """A finished run found again (the same command): each tracker gets what it lacks of the
+        run's records (a kill during the run's end, while the trackers finished, leaves them short)."""
+        if not self.cfg.trackers():
+            return
+        from .trackers import make_trackers
+
+        tracking = Tracking(make_trackers(self.cfg), self.run_dir)
+        tracking.begin(json.loads((self.run_dir / "config.json").read_text()), read_metrics(self.run_dir))
+        tracking.end("finished", [self.run_dir / name for name in ("config.json", "curves.png")],
+                     summarize(self.run_dir), wait_s=TRACKER_WAIT_S)
+        sent = {lane.name: lane.delivery.sent for lane in tracking.lanes if lane.delivery.sent}
+        if sent:
+            self.info("ddptrain: the finished run's trackers lacked records (its end was cut short?); sent "
+                      + ", ".join(f"{name} {count} value(s)" for name, count in sent.items()))
+        self._upload("trackers.json", "metrics.csv")
+
     def info(self, message: str) -> None:
         if self.bar is not None:
             self.bar.write(message, file=sys.stderr)
@@ -162,6 +179,9 @@ class NullReporter(Reporter):
         pass
 
     def finish(self) -> None:
+        pass
+
+    def catch_up(self) -> None:
         pass
 
     def close(self, status: str, summary: dict[str, Any] | None = None) -> None:

@@ -1,8 +1,9 @@
 """Sending a run's records to experiment trackers, off the training thread.
 
-metrics.jsonl stays the source of truth; trackers get copies. One thread on rank 0 drives
-every tracker (``Tracking``), so a tracker that is slow, down or broken never stops training:
-its first failure is one warning line, and it gets nothing more in this run.
+metrics.jsonl stays the source of truth; trackers get copies. On rank 0 each tracker has a
+thread of its own (``Tracking``'s lanes), so a tracker that is slow, down, broken or silent
+never stops training nor the other trackers: its first failure is one warning line, and it
+gets nothing more in this run.
 ``ddptrain report RUN_DIR --sync NAME`` later sends what it missed (``sync``).
 
 Each tracker gets each (metric, step) pair exactly once, across kills and resumes: the run
@@ -96,15 +97,17 @@ class TrackerState:
             self.saved: dict[str, dict[str, Any]] = json.loads(self.path.read_text())
         except (OSError, ValueError):
             self.saved = {}
+        self.lock = threading.Lock()
 
     def of(self, name: str) -> dict[str, Any]:
         return dict(self.saved.get(name, {}))
 
     def update(self, name: str, **values: Any) -> None:
-        self.saved.setdefault(name, {}).update(values)
-        tmp = self.path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.saved, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, self.path)  # whole or not at all: a kill leaves the previous file
+        with self.lock:  # each tracker's thread writes its part
+            self.saved.setdefault(name, {}).update(values)
+            tmp = self.path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.saved, indent=2, sort_keys=True) + "\n")
+            os.replace(tmp, self.path)  # whole or not at all: a kill leaves the previous file
 
 
 class Delivery:
@@ -144,63 +147,83 @@ class Delivery:
 QUIET_WAIT_S = 1.0  # seconds the end waits for the trackers before it says that it waits
 
 
+class Lane:
+    """One tracker's own thread and queue: a tracker that hangs (a server that accepts and never
+    answers) holds up only itself, never the CSV file or another tracker."""
+
+    def __init__(self, delivery: Delivery, run_dir: Path) -> None:
+        self.delivery, self.run_dir = delivery, run_dir
+        self.name = delivery.tracker.name
+        self.queue: queue.Queue[tuple[Callable[[Delivery], None], str] | None] = queue.Queue()
+        self.doing = "starting"  # what the thread is at: named when the end has to wait for it
+        self.thread = threading.Thread(target=self._work, name=f"ddptrain-tracker-{self.name}", daemon=True)
+        self.thread.start()
+
+    def put(self, action: Callable[[Delivery], None], what: str) -> None:
+        self.queue.put((action, what))
+
+    def _work(self) -> None:
+        while (job := self.queue.get()) is not None:
+            action, what = job
+            self.doing = what
+            try:
+                action(self.delivery)
+            except Exception as error:  # noqa: BLE001 - any failure of a tracker: drop it, train on
+                warn(f"tracker {self.name} failed {what} ({one_line(error)}); training goes on without it; "
+                     f"metrics.jsonl has every record: `ddptrain report {self.run_dir} --sync {self.name}` "
+                     "sends what it missed")
+                return
+
+
 class Tracking:
-    """Rank 0's trackers, driven by one daemon thread through a queue: ``begin``, ``log`` and
+    """Rank 0's trackers, each driven by a thread of its own (``Lane``): ``begin``, ``log`` and
     ``end`` return at once (``end`` waits a bounded time for what is queued)."""
 
     def __init__(self, trackers: list[Tracker], run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
         self.state = TrackerState(self.run_dir)
-        self.live = [Delivery(t, self.state) for t in trackers]
-        self.queue: queue.Queue[tuple[Callable[[Delivery], None], str] | None] = queue.Queue()
-        self.doing = "the trackers"  # what the thread is at: named when the end has to wait for it
-        self.thread = threading.Thread(target=self._work, name="ddptrain-trackers", daemon=True)
-        self.thread.start()
+        self.lanes = [Lane(Delivery(t, self.state), self.run_dir) for t in trackers]
 
     def begin(self, config: dict[str, Any], kept: Iterable[dict[str, Any]] = ()) -> None:
-        """Open every tracker's run; ``kept``: a resumed run's records from before its snapshot,
-        sent first to each tracker that lacks them."""
+        """Open every tracker's run; ``kept``: a resumed run's records from before its snapshot
+        (or a finished run's, caught up), sent first to each tracker that lacks them."""
         kept = list(kept)
 
         def start(delivery: Delivery) -> None:
             delivery.open(self.run_dir, params_of(config))
             for record in kept:
                 delivery.deliver(record)
-        self.queue.put((start, "starting its run"))
+        for lane in self.lanes:
+            lane.put(start, "starting its run")
 
     def log(self, record: dict[str, Any]) -> None:
-        self.queue.put((lambda d: d.deliver(record), f"sending step {record['step']}"))
+        for lane in self.lanes:
+            lane.put(lambda d: d.deliver(record), f"sending step {record['step']}")
 
     def end(self, status: str, artifacts: Iterable[Path] = (), summary: dict[str, Any] | None = None,
             wait_s: float = 10.0) -> None:
-        """Close every tracker's run, waiting at most ``wait_s`` (a server that hangs): a wait
-        longer than a moment is said when it starts, and giving up is said too."""
+        """Close every tracker's run, waiting at most ``wait_s`` in all (a server that hangs): a
+        wait longer than a moment is said when it starts, naming who is waited for, and so is giving up."""
         files = [Path(p) for p in artifacts if Path(p).is_file()]
-        self.queue.put((lambda d: d.tracker.close(status, files, summary or {}), "closing its run"))
-        self.queue.put(None)
-        started = time.monotonic()
-        self.thread.join(min(QUIET_WAIT_S, wait_s))
-        if self.thread.is_alive():
-            warn(f"waiting up to {wait_s:g} s for {self.doing} (a tracker's server that is slow or does not answer)")
-            self.thread.join(max(0.0, wait_s - (time.monotonic() - started)))
-        if self.thread.is_alive():
-            names = ", ".join(d.tracker.name for d in self.live)
-            warn(f"trackers ({names}) still busy after {wait_s:g} s; not waiting for them "
-                 f"(`ddptrain report {self.run_dir} --sync NAME` sends what they missed)")
+        for lane in self.lanes:
+            lane.put(lambda d: d.tracker.close(status, files, summary or {}), "closing its run")
+            lane.queue.put(None)
+        deadline = time.monotonic() + wait_s
+        self._join(min(QUIET_WAIT_S, wait_s))
+        if busy := self._busy():
+            warn(f"waiting up to {wait_s:g} s for {', '.join(f'{lane.name} ({lane.doing})' for lane in busy)}")
+            self._join(deadline - time.monotonic())
+        if busy := self._busy():
+            warn(f"trackers ({', '.join(lane.name for lane in busy)}) still busy after {wait_s:g} s; not waiting "
+                 f"for them (`ddptrain report {self.run_dir} --sync NAME` sends what they missed)")
 
-    def _work(self) -> None:
-        while (job := self.queue.get()) is not None:
-            action, what = job
-            for delivery in list(self.live):
-                self.doing = f"{delivery.tracker.name} ({what})"
-                try:
-                    action(delivery)
-                except Exception as error:  # noqa: BLE001 - any failure of a tracker: drop it, train on
-                    self.live.remove(delivery)
-                    name = delivery.tracker.name
-                    warn(f"tracker {name} failed {what} ({one_line(error)}); training goes on without it; "
-                         f"metrics.jsonl has every record: `ddptrain report {self.run_dir} --sync {name}` "
-                         "sends what it missed")
+    def _join(self, seconds: float) -> None:
+        deadline = time.monotonic() + max(0.0, seconds)
+        for lane in self.lanes:
+            lane.thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _busy(self) -> list[Lane]:
+        return [lane for lane in self.lanes if lane.thread.is_alive()]
 
 
 def one_line(error: BaseException) -> str:

@@ -67,9 +67,11 @@ class BestModel:
             self.stale += 1
         return improved
 
-    def stop_line(self) -> str:
-        return (f"stopped early at {self.metric} {self.value:.6g} (step {self.step}): {self.stale} evaluation(s) "
-                f"in a row without an improvement of more than {self.delta:g} (--early-stop {self.patience})")
+    def stop_line(self, step: int) -> str:
+        """The line that says the run stopped at ``step``, and which evaluation was the best."""
+        return (f"stopped early at step {step}: {self.stale} evaluation(s) in a row without an improvement of "
+                f"more than {self.delta:g} (--early-stop {self.patience}); the best {self.metric} "
+                f"{self.value:.6g} was at step {self.step}")
 
     # --- in the snapshot's progress table ----------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..config import KEPT_ON_RESUME
 from ..errors import DiskFull, SnapshotError
 from ..run_dir import SNAPSHOT_NAME, snapshot_name, snapshot_number
 
@@ -321,8 +322,10 @@ def check_model_matches(current: dict[str, tuple[int, ...]], saved: dict[str, tu
 
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
-    """Settings that change the math must match, or the resume would not be exact."""
-    changed = [f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in current if saved.get(k) != current[k]]
+    """Settings that change the math must match, or the resume would not be exact; so must the
+    average's and the best model's (a snapshot from before they were kept is not asked about them)."""
+    changed = [f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in current
+               if (k in saved or k not in KEPT_ON_RESUME) and saved.get(k) != current[k]]
     if changed:
         raise SnapshotError(f"snapshot {path} was taken with other settings ({'; '.join(changed)}); "
                             "use the original flags, or --resume never / another --run-dir")

@@ -8,13 +8,15 @@ their index; local: nothing is downloaded). Every rank reads it (torch files mem
 takes it with torch's ``set_model_state_dict`` (full state dicts: under fsdp each rank keeps
 its own shard of each tensor), so every rank starts from the same weights. Strict by default:
 a missing or unexpected tensor, or another shape, is one line; ``--init-from-partial`` loads
-what matches and names the rest. Tied weights (a language model's head and embedding) count
+what matches and names the rest (a tensor of another shape, such as a new head, is left as
+built). Tied weights (a language model's head and embedding) count
 as present when their twin is.
 """
 
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -60,16 +62,31 @@ def _file(file: Path, shown: str) -> dict[str, torch.Tensor]:
             from safetensors.torch import load_file
 
             state = load_file(str(file))
-        else:
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as error:  # not a zip or safetensors file, truncated, or a pickle weights_only refuses
-        first = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
-        raise ConfigError(f"--init-from {shown}: {file.name} cannot be read ({first})") from None
+        else:  # memory-mapped where it can be: torch.save's zip format (a legacy pickle cannot)
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
+    except Exception as error:  # noqa: BLE001 - empty, truncated, another format, a pickle weights_only refuses
+        raise ConfigError(f"--init-from {shown}: {file} {_unreadable(file, error)}") from None
     if isinstance(state, dict) and isinstance(state.get("model"), dict) and "format_version" in state:
         state = state["model"]  # a ddptrain snapshot file
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"--init-from {shown}: {file.name} holds no state_dict (a dict of tensors)")
     return state
+
+
+def _unreadable(file: Path, error: Exception) -> str:
+    """What is wrong with a weights file that did not load, in words (not the loader's advice)."""
+    size = file.stat().st_size
+    if size == 0:
+        return "is empty (0 bytes): it was never written whole; write it again"
+    first = str(error).strip().split(". ")[0].splitlines()[0] if str(error).strip() else type(error).__name__
+    if file.suffix == ".safetensors":
+        return f"is not a readable safetensors file ({size:,} bytes; {first})"
+    with open(file, "rb") as handle:
+        zip_magic = handle.read(2) == b"PK"  # torch.save's format, cut or changed
+    if zip_magic:
+        return f"is damaged ({size:,} bytes; {first}): a cut copy? copy it again"
+    return (f"is neither a torch.save file nor safetensors ({size:,} bytes; {first}); give a model.pt, "
+            ".pt/.bin or .safetensors file")
 
 
 def load_into(module: torch.nn.Module, weights: dict[str, torch.Tensor], shown: str, partial: bool) -> str:
@@ -78,19 +95,24 @@ def load_into(module: torch.nn.Module, weights: dict[str, torch.Tensor], shown: 
     tied = _tied_names(module)
     missing = sorted(k for k in own if k not in weights and not (tied.get(k, set()) & weights.keys()))
     unexpected = sorted(k for k in weights if k not in own)
-    for key in sorted(own.keys() & weights.keys()):
-        if tuple(own[key].shape) != tuple(weights[key].shape):
-            raise ConfigError(f"--init-from {shown}: {key} has shape {tuple(weights[key].shape)} there, "
-                              f"{tuple(own[key].shape)} in the model; give weights of this model")
+    reshaped = {key: f"{tuple(weights[key].shape)} there, {tuple(own[key].shape)} here"
+                for key in sorted(own.keys() & weights.keys()) if tuple(own[key].shape) != tuple(weights[key].shape)}
+    if reshaped and not partial:
+        key, shapes = next(iter(reshaped.items()))
+        raise ConfigError(f"--init-from {shown}: {key} has shape {shapes.replace(' here', ' in the model')}; give "
+                          "weights of this model, or add --init-from-partial to leave such tensors as built")
     if (missing or unexpected) and not partial:
         raise ConfigError(f"--init-from {shown}: not this model's weights ({len(missing)} missing, e.g. "
                           f"{missing[:3]}; {len(unexpected)} unexpected, e.g. {unexpected[:3]}); add "
                           "--init-from-partial to load the tensors that match")
-    matching: dict[str, Any] = {key: value for key, value in weights.items() if key in own}
+    matching: dict[str, Any] = {key: value for key, value in weights.items() if key in own and key not in reshaped}
     line = f"initialised from {shown}: {len(matching)} tensor(s)"  # (torch fills the dict it is given)
     set_model_state_dict(module, matching, options=StateDictOptions(full_state_dict=True, strict=False))
-    if missing or unexpected:
-        line += f"; left as built: {missing[:5]}{' ...' if len(missing) > 5 else ''}; ignored: {unexpected[:5]}"
+    left = missing + list(reshaped)
+    if left or unexpected:
+        line += f"; left as built: {left[:5]}{' ...' if len(left) > 5 else ''}; ignored: {unexpected[:5]}"
+    if reshaped:
+        line += f"; of another shape: {'; '.join(f'{k} {v}' for k, v in list(reshaped.items())[:5])}"
     return line
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import random
 import sys
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from ..config import RunConfig
@@ -50,9 +52,17 @@ def resolve_factory(name: str) -> TaskFactory:
 
 
 def build(cfg: RunConfig, factory: Callable[[RunConfig], Task] | None = None) -> Task:
-    """Build the task on this rank. Seeded so every rank gets the same weights and data."""
+    """Build the task on this rank. Seeded so every rank gets the same weights and data, whichever
+    generator the factory draws from: torch's, Python's ``random`` or numpy's global one."""
     factory = factory or resolve_factory(cfg.task)
-    torch.manual_seed(cfg.seed)
+    seed_everything(cfg.seed)
     task = factory(cfg)
     check_task(task, cfg.task)
     return task
+
+
+def seed_everything(seed: int) -> None:
+    """torch's, Python's and numpy's global generators from ``seed`` (numpy takes 32 bits)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
