@@ -3,7 +3,9 @@ an object store that goes away and comes back, while the server and its data sta
 
 ``cut()`` closes the listening socket and every connection through it (a client then gets
 "connection refused", as from a store that is down); ``hang()`` cuts the connections but
-accepts new ones and never answers them (a store that hangs); ``restore()`` listens again
+accepts new ones and never answers them (a store that hangs); ``silence()`` keeps every
+connection open and drops what passes both ways, and accepts new ones and never answers them
+(a partition that drops packets: nothing refuses, nothing answers); ``restore()`` listens again
 on the same port. It runs on threads of the test process; the clients are other processes (``ddptrain
 train``), started with Popen's default ``close_fds``, so none holds the listening socket.
 """
@@ -23,6 +25,7 @@ class TcpProxy:
         self.connections: set[socket.socket] = set()
         self.lock = threading.Lock()
         self.hung: list[socket.socket] = []  # connections accepted while hanging, never answered
+        self.silent = False  # silence(): what passes is dropped
 
     @property
     def url(self) -> str:
@@ -43,7 +46,21 @@ class TcpProxy:
 
     def restore(self) -> TcpProxy:
         self.cut()
+        self.silent = False
         return self.start()
+
+    def silence(self) -> None:
+        """The connections stay open and their bytes are dropped; new ones are accepted, never answered."""
+        self.silent = True
+        with self.lock:
+            listener, self.listener = self.listener, None
+        if listener is not None:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            listener.close()
+        self._listen(self._swallow)
 
     def hang(self) -> None:
         self.cut()
@@ -100,7 +117,8 @@ class TcpProxy:
     def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
         try:
             while data := source.recv(65536):
-                sink.sendall(data)
+                if not self.silent:
+                    sink.sendall(data)
         except OSError:
             pass
         finally:

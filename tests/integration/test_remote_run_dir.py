@@ -101,6 +101,24 @@ def test_a_store_without_credentials_or_bucket_is_a_one_line_error(s3_server, tm
     assert denied.stderr.startswith("ddptrain: error: --run-dir s3://creds/run: no access (NoCredentialsError")
 
 
+def test_a_start_against_a_store_that_accepts_and_never_answers_is_one_line_within_30_s(s3_server, tmp_path):
+    """A silent endpoint (the proxy accepts connections and drops every byte) used to print nothing
+    and never exit; a dead one was already one line in seconds."""
+    proxy = TcpProxy(s3_server.port).start()
+    proxy.silence()
+    started = time.monotonic()
+    try:
+        result = ddptrain_cli("train", "--run-dir", s3_server.bucket("silent-start") + "/run",
+                              env=clean_env(**_machine(s3_server, tmp_path, "machine", AWS_ENDPOINT_URL=proxy.url)),
+                              timeout=60)
+    finally:
+        proxy.close()
+    took = time.monotonic() - started
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("ddptrain: error: --run-dir s3://silent-start/run: "), result.stderr
+    assert took < 30, f"{took:.1f} s"
+
+
 def test_a_run_dir_on_a_store_is_held_by_one_job_at_a_time(s3_server, tmp_path, monkeypatch):
     from ddptrain.resilience.hold import RemoteHold, RunDirHold
     from ddptrain.run_dir import StoreRunDir
@@ -149,8 +167,8 @@ OUTAGE_TRAIN = ["train", "--task", TASKS + "slow_steps", "--nproc", "2", "--max-
                 "--momentum", "0.9"]
 
 
-def _start_cut_run(s3_server, proxy, tmp_path, start, url, **more):
-    """``ddptrain train`` through ``proxy``, cut as soon as the store holds a committed snapshot."""
+def _start_cut_run(s3_server, proxy, tmp_path, start, url, outage=None, **more):
+    """``ddptrain train`` through ``proxy``, cut (or ``outage()``) as soon as the store holds a committed snapshot."""
     env = clean_env(**_machine(s3_server, tmp_path, "machine", AWS_ENDPOINT_URL=proxy.url, **more))
     process = start([str(BIN / "ddptrain"), *OUTAGE_TRAIN, "--run-dir", url], env=env)
     fs, prefix = s3_server.filesystem(), url.removeprefix("s3://")
@@ -160,7 +178,7 @@ def _start_cut_run(s3_server, proxy, tmp_path, start, url, **more):
             out, err, _ = finish(process, timeout=0)  # (kills what is still running)
             raise AssertionError(f"no committed snapshot while the run went on\n{out}\n{err}")
         time.sleep(0.05)
-    proxy.cut()
+    (outage or proxy.cut)()
     return process, env
 
 
@@ -199,6 +217,46 @@ def test_the_store_cut_for_30_s_mid_run_costs_nothing(s3_server, tmp_path, local
     assert not list(tmp_path.glob("machine/runs/s3/*/.not-uploaded.json"))
     assert sorted(p.name for p in tmp_path.glob("machine/runs/s3/*/snapshots/*")) == [
         "step-000000095.pt", "step-000000096.pt"]  # the mirror rotated once the store held them
+
+
+def test_a_store_silent_for_90_s_mid_run_is_one_warning_and_the_run_catches_up(s3_server, tmp_path, local_runs,
+                                                                                 start):
+    """A partition that drops packets: every connection stays open and nothing answers, for 90 s.
+    One warning within 20 s of the silence (a request with no answer is abandoned, not waited on
+    for botocore's 60 s times every retry), the training goes on, the uploads catch up after the
+    store's return, exit 0, and the bucket's model.pt and newest snapshot are bitwise the local run's."""
+    import threading
+
+    proxy = TcpProxy(s3_server.port).start()
+    url = s3_server.bucket("silent") + "/run"
+    # 96 steps of 1.1 s: still training when the store answers again
+    process, _ = _start_cut_run(s3_server, proxy, tmp_path, start, url, outage=proxy.silence, STEP_SLEEP="1.1")
+    silent_at = time.monotonic()
+    said: list[tuple[float, str]] = []  # stderr's lines with when they came
+    reader = threading.Thread(target=lambda: said.extend((time.monotonic(), line) for line in process.stderr),
+                              daemon=True)
+    reader.start()
+    time.sleep(90)
+    assert process.poll() is None, "the training went on through the silence"
+    proxy.restore()
+    process.wait(timeout=180)
+    reader.join(10)
+    proxy.close()
+    err = "".join(line for _, line in said)
+    assert process.returncode == 0, err
+    lines = [(when, line) for when, line in said if line.startswith("ddptrain:")]
+    assert len(lines) == 2 and "Traceback" not in err, err
+    (warned, warning), (_, back) = lines
+    assert warning.startswith(f"ddptrain: warning: the store {url} does not answer ("), warning
+    assert warned - silent_at < 20, f"the warning came {warned - silent_at:.1f} s after the silence"
+    assert back.startswith(f"ddptrain: the store {url} answers again after ") and "; caught up: " in back, back
+    local = local_runs / "ddp"
+    assert_same_weights(_remote_model(s3_server, "silent/run"), load_model(local), exact=True)
+    names, newest = _stored_weights(s3_server, "silent/run")
+    assert names[-1] == "step-000000096.pt.manifest", names
+    reference = torch.load(local / "snapshots" / "step-000000096.pt", weights_only=True)
+    for part in ("model", "optimizer"):
+        assert_same_weights(dict(_flat(newest[part])), dict(_flat(reference[part])), exact=True)
 
 
 def _flat(state, prefix=""):

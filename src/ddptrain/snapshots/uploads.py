@@ -38,7 +38,7 @@ from . import files
 UPLOAD_WAIT_S = 60.0  # default seconds a finished run waits for a store to take what it has not yet
 PREEMPTED_UPLOAD_WAIT_S = 10.0  # at most, after a stop signal (its grace period is short; the next start syncs)
 QUIET_WAIT_S = 1.0  # an end's wait shorter than this (a live store) prints nothing
-BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0)  # between attempts while the store does not answer
+BACKOFF_S = (1.0, 2.0, 4.0, 8.0)  # between attempts while the store does not answer (a silent one's take ~15 s)
 # beside the run files: model.pt, --keep-best's best/, --ema's average
 END_FILES = ("model.pt", "best/model.pt", "best/best.json", "ema/model.pt")
 
