@@ -74,6 +74,21 @@ def test_a_rank_that_raises_in_the_real_command(tmp_path):
 
 
 @pytest.mark.slow
+def test_rank_0_sigkilled_is_a_few_lines_and_torchs_own_warnings_go_to_the_ranks_log(tmp_path):
+    """The surviving rank's TCPStore connections to the dead rank 0's store close: torch prints
+    20-40 lines of C++ frames per connection ("recvVector failed", "Broken pipe"). They go to
+    logs/rank-N.stderr; the console keeps ddptrain's few lines."""
+    result = ddptrain_cli("train", "--task", TASKS + "kill_at_step", "--nproc", "2", "--max-epochs", "2",
+                          "--run-dir", str(tmp_path / "run"),
+                          env=clean_env(KILL_RANK="0", KILL_STEP="20", KILL_MARKER=str(tmp_path / "killed")),
+                          timeout=60)
+    console = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 1 and len(console) <= 5, "\n".join(console)
+    assert "ddptrain: rank 0 was killed by SIGKILL" in result.stderr and "frame #" not in result.stderr, result.stderr
+    assert (tmp_path / "run" / "logs" / "rank-1.stderr").is_file()  # where torch's C++ warnings went, if any
+
+
+@pytest.mark.slow
 def test_a_hung_rank_is_named_with_its_stack_and_the_waiting_rank_is_not_blamed(tmp_path):
     """Rank 1's Dataset.__getitem__ sleeps for ever after 300 items; rank 0 waits in all-reduce."""
     timeout = 6

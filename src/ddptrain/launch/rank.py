@@ -29,7 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from .. import tasks
 from ..comm import DistContext, round_prefix
 from ..config import RunConfig
-from ..console import say
+from ..console import native_stderr_to, say
 from ..data import is_stream
 from ..errors import ConfigError, PeerFailed, PeerStuck
 from ..resilience.failures import hard_exit, record_error
@@ -39,7 +39,7 @@ from ..resilience.watchdog import NullWatchdog, Watchdog
 from ..run_dir import RunDir
 from ..tasks.protocol import Task, TaskFactory
 from ..trainer import Trainer
-from .environments import detect
+from .environments import Environment, detect
 from .group import connect_store, hosts_store, joined, resolve_device_kind
 
 # What a rank returns: (status, message). The launcher prints rank 0's message.
@@ -159,6 +159,11 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
     if env.local_rank == 0 and (line := env.shared_store_warning()):  # once on every node
         say(f"ddptrain: {line}", sys.stderr)
     home = RunDir.of(cfg.run_dir)  # resolved by the caller (api.execute)
+    with native_stderr_to(home.local / "logs" / f"rank-{env.rank}.stderr"):  # torch's C++ warnings
+        return _run_rank(cfg, factory, env, home)
+
+
+def _run_rank(cfg: RunConfig, factory: TaskFactory | None, env: Environment, home: RunDir) -> Outcome:
     run_dir = home.local  # a store's run dir: this machine's mirror
     device_kind, backend = resolve_device_kind(cfg.device, cfg.backend, env.local_world_size)
     store = connect_store(env, cfg.timeout)

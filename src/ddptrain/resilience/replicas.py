@@ -29,6 +29,7 @@ forward, so the loop re-enters the epoch where the healed state stands.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import socket
 import time
@@ -36,6 +37,7 @@ import urllib.parse
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +45,7 @@ import torch
 from ..comm import DistContext
 from ..config import RunConfig
 from ..errors import ConfigError
+from ..run_dir import RunDir
 
 RESUMED_WAIT_S = 60.0  # a resumed start's wait for the other groups (a whole-job restart's are not far behind)
 
@@ -51,6 +54,20 @@ def quiet_torchft() -> None:
     """torchft's Rust core logs a few INFO lines per step (quorums, commits) unless RUST_LOG says
     otherwise: warnings only, before it is imported (RUST_LOG set by the user wins)."""
     os.environ.setdefault("RUST_LOG", "warn")
+
+
+def torchft_logs_to(path: Path) -> None:
+    """torchft's Python log lines go to this rank's log file, not the console: on CPU each start
+    warns that NCCL's flight recorder cannot be reset, and each failure prints torchft's traceback
+    on every healthy rank. ddptrain says in a line what happened (a group left, a heal)."""
+    logger = logging.getLogger("torchft")
+    if any(getattr(handler, "baseFilename", None) == str(path) for handler in logger.handlers):
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False
 
 
 def lighthouse_address(cfg: RunConfig) -> str:
@@ -87,6 +104,7 @@ class ReplicaGroups:
     def __init__(self, cfg: RunConfig, ctx: DistContext, state_dict: Callable[[], dict[str, Any]],
                  load_state_dict: Callable[[dict[str, Any]], None], info: Callable[[str], None]) -> None:
         quiet_torchft()
+        torchft_logs_to(RunDir.of(cfg.run_dir).local / "logs" / f"rank-{ctx.rank}.torchft")
         from torchft.process_group import ProcessGroupGloo
 
         # torchft's PGTransport reads the received state with torch.frombuffer and torch's pytree
