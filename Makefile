@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/pip install --quiet --constraint constraints.txt
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install dev train test test-fast test-matrix lint bench clean
+.PHONY: install dev train test test-fast test-matrix lint docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,10 @@ dev: $(VENV)/.installed-dev
 train: install
 	$(BIN)/ddptrain train
 
-test: dev lint  # the 25 slowest tests listed at the end: where the suite's time goes
-	$(BIN)/pytest -q --durations=25 tests
+# -n 2: two tests at a time (pytest-xdist; more do not help: the suite is CPU-bound then, see
+# docs/development.md). CI's .ci/suite_budget.py reads the output.
+test: dev lint docs  # the 25 slowest tests listed at the end: where the suite's time goes
+	$(BIN)/pytest -q -n 2 --durations=25 tests
 
 test-fast: dev  # the unit tests but the few slow ones: pure logic in this process, under 10 s
 	$(BIN)/pytest -q -m 'not slow' tests/unit
@@ -46,8 +48,11 @@ lint: dev
 	$(BIN)/lint-imports  # the layers in pyproject.toml: dependencies point down, no cycles
 	$(BIN)/mypy  # types, and unreachable code (pyproject.toml's [tool.mypy])
 
+docs: dev  # the documentation site, into site/; --strict: a broken link or a page missing from the nav fails
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 bench: install
 	$(BIN)/ddptrain bench
 
 clean:
-	rm -rf $(VENV) runs src/*.egg-info
+	rm -rf $(VENV) runs site src/*.egg-info

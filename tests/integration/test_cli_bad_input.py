@@ -7,13 +7,15 @@ import os
 
 import pytest
 
+from ddptrain import free_port
 from ddptrain.cli import main
 from helpers.commands import alive
 
 TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 SLURM = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_NODELIST": "node[1-2]",
          "SLURM_JOB_ID": "7", "SLURM_TASKS_PER_NODE": "2"}
-POD = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517",
+# (a port of its own: the docs' torch.distributed.launch block uses 29517, and tests run two at a time)
+POD = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
        "KUBERNETES_SERVICE_HOST": "10.96.0.1"}  # a Kubeflow PyTorchJob pod
 TASKS = "ddptrain_test_tasks:"
 INVALID = "invalid_tasks:"  # tasks wrong in one field

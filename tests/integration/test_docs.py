@@ -15,6 +15,7 @@ import re
 import shlex
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -79,13 +80,15 @@ def block_results(tmp_path_factory):
     env = clean_env()
     env["PATH"] = f"{BIN}:{env['PATH']}"
 
-    def execute(command: str) -> subprocess.CompletedProcess[str]:
-        folder = tmp_path_factory.mktemp("block")
+    def execute(folder: Path, command: str) -> subprocess.CompletedProcess[str]:
         shutil.copytree(REPO / "examples", folder / "examples")
         return run(["bash", "-e", "-c", f"exec 2>&1\n{command}"], env=env, cwd=folder, timeout=300)
 
+    # The scratch folders are made here, one thread: mktemp numbers its folders (and makes pytest's
+    # base folder on first use) without a lock, and two threads once got the same one.
+    folders = [tmp_path_factory.mktemp("block") for _ in RUN_BLOCKS]
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(execute, [command for _, command, _ in RUN_BLOCKS]))
+        return list(pool.map(execute, folders, [command for _, command, _ in RUN_BLOCKS]))
 
 
 @pytest.mark.slow
@@ -138,9 +141,32 @@ def test_shown_output_is_matched_line_by_line_in_order():
         assert_shows(output, "summary\nepoch 0 | … samples/s\n", "here")  # the order matters
 
 
-def test_the_architecture_table_names_every_part_of_the_package_and_nothing_else():
-    """README's Architecture table and `ls src/ddptrain` agree (subpackages and top modules)."""
+def test_the_readme_is_short_and_its_links_resolve():
+    """The README says what ddptrain is and how to start; the rest lives in docs/ (the site's
+    own links are checked by `make docs`, whose --strict build fails on a broken one)."""
     text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    assert len(targets) >= 10
+    missing = [t for t in targets if not t.startswith("http") and not (REPO / t).exists()]
+    assert not missing, missing
+
+
+def test_every_docs_page_is_in_the_sites_navigation():
+    import yaml
+
+    nav = yaml.safe_load((REPO / "mkdocs.yml").read_text().split("\nnav:", 1)[1].join(["nav:", ""]))["nav"]
+
+    def pages(entries):
+        for entry in entries:
+            value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+            yield from pages(value) if isinstance(value, list) else [value]
+    assert set(pages(nav)) == {p.name for p in (REPO / "docs").glob("*.md")}
+
+
+def test_the_architecture_table_names_every_part_of_the_package_and_nothing_else():
+    """docs/development.md's Architecture table and `ls src/ddptrain` agree (subpackages and top modules)."""
+    text = (REPO / "docs" / "development.md").read_text()
     section = text.split("## Architecture", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"`([a-z_]+(?:/|\.py))`", section.split("One training step")[0]))
     package = REPO / "src" / "ddptrain"
