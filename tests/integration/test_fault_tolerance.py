@@ -208,6 +208,38 @@ def test_a_group_resumed_alone_after_the_others_finished_waits_then_trains_on(li
     assert read_metrics(tmp_path / "group-1")[-1]["step"] == 20
 
 
+def test_a_lighthouse_address_that_is_no_lighthouse_is_one_line_before_any_rank_starts(tmp_path):
+    """Not a URL; an HTTP server that is something else; a socket that accepts and never answers:
+    each one line, exit 2, in seconds (they used to run into --timeout and end in gRPC's error)."""
+    import http.server
+    import socket
+    import threading
+    import time
+
+    from ddptrain import ConfigError
+    from ddptrain.config import RunConfig
+    from ddptrain.resilience.replicas import check_lighthouse
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # 501 to all
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    silent = socket.create_server(("127.0.0.1", 0))  # its backlog accepts; nobody ever reads or answers
+    cases = [("not-a-url", "not a lighthouse's address; give http://HOST:PORT"),
+             (f"http://127.0.0.1:{other.server_address[1]}", "what answers there is not a torchft lighthouse"),
+             (f"http://127.0.0.1:{silent.getsockname()[1]}", "accepts connections there but did not answer within 5 s")]
+    try:
+        for address, words in cases:
+            started = time.monotonic()
+            with pytest.raises(ConfigError, match=words):
+                check_lighthouse(RunConfig(fault_tolerance="torchft", lighthouse=address))
+            assert time.monotonic() - started < 10
+        result = ddptrain_cli("train", "--nproc", "1", "--fault-tolerance", "torchft", "--lighthouse", cases[1][0],
+                              "--run-dir", str(tmp_path / "run"), timeout=60)  # the real command: the same line
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and cases[1][1] in result.stderr, result.stderr
+    finally:
+        other.shutdown()
+        silent.close()
+
+
 def test_bad_torchft_settings_and_a_lighthouse_that_is_down_are_one_line(tmp_path):
     for args, message in (
         (["--replica-groups", "2"], "--replica-groups belongs to --fault-tolerance torchft"),
