@@ -76,10 +76,12 @@ def hosts_store(env: Environment) -> bool:
 
 
 def is_loopback(addr: str) -> bool:
+    """A loopback address written as one (127.0.0.1, ::1). Not ``localhost``: a client may resolve
+    it to the other family than the one the server listens on."""
     try:
         return ipaddress.ip_address(addr).is_loopback
     except ValueError:
-        return addr == "localhost"
+        return False
 
 
 def loopback_listener(addr: str, port: int) -> tuple[int, int] | None:
@@ -89,11 +91,10 @@ def loopback_listener(addr: str, port: int) -> tuple[int, int] | None:
     interface (``*:PORT``); a job whose every rank is on this machine needs loopback alone."""
     if not is_loopback(addr):
         return None
-    host = "127.0.0.1" if addr == "localhost" else addr
-    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    listener = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, port))
+        listener.bind((addr, port))
         listener.listen(4096)
         port = listener.getsockname()[1]
     except OSError:
