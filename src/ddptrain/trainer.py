@@ -110,7 +110,7 @@ class Trainer:
         keeps the snapshot's global batch), and the batch size the data, the epoch and the schedule."""
         # Checked before a fresh start moves an earlier run's files aside: --keep-best's evaluation
         # set and, where the run starts afresh, --init-from's weights (loaded now: every rank reads them).
-        self.best = best_model(self.cfg, self.task.eval_set is not None)
+        self.best = best_model(self.cfg, self.task)
         fresh = self.cfg.resume == "never" or not list_snapshots(snapshot_dir(self.run_dir))  # (a store's: not pulled)
         initialised = self._init_from() if fresh and self.cfg.init_from else None
         self.start = restore_point(self.cfg, self.ctx, self.home, self.module, self.weights.state_dict,

@@ -116,6 +116,8 @@ CASES = [
     (["--task", TASKS + "unused_parameters"], {}, "parameter(s) unused.weight, unused.bias got no gradient in the "
                                                   "first step; use them in the loss"),
     (["--sync-batchnorm"], {}, "--sync-batchnorm needs CUDA GPUs"),
+    (["--task", "digits", "--keep-best", "eval_f1"], {},
+     "--keep-best eval_f1: the evaluation has no such figure; it has eval_accuracy, eval_loss"),
     (["--config", "{tmp}/twice.toml"], {}, "'max_epochs' and 'max-epochs' are the same setting"),
     (["--task", INVALID + "eval_without_samples"], {}, "Task.eval_fn must return a dict of per-batch sums with"),
     (["--strategy", "fsdp", "--activation-checkpointing"], {}, "--activation-checkpointing needs blocks"),

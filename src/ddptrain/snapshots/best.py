@@ -24,6 +24,7 @@ from typing import Any
 
 from ..config import RunConfig, watched_metric
 from ..errors import ConfigError
+from ..tasks.protocol import Task
 
 BEST = "best"  # the folder in the run dir
 
@@ -83,14 +84,20 @@ class BestModel:
         self.reference, self.stale = state.get("best_reference"), int(state.get("evals_without_improvement", 0))
 
 
-def best_model(cfg: RunConfig, has_eval_set: bool) -> BestModel | None:
-    """The run's BestModel, or None without ``--keep-best``."""
+def best_model(cfg: RunConfig, task: Task) -> BestModel | None:
+    """The run's BestModel, or None without ``--keep-best``. Checked before anything is trained:
+    an evaluation set, and, for tutorial-shaped tasks (whose figures are the loss and
+    ``Task.metrics``), the figure itself (an ``eval_fn``'s are known only once it has run)."""
     if not cfg.keep_best.strip():
         return None
-    if not has_eval_set:
+    if task.eval_set is None:
         raise ConfigError(f"--keep-best {cfg.keep_best} needs an evaluation set, and the task {cfg.task} has none "
                           "(Task.eval_set)")
-    return BestModel(cfg.keep_best, cfg.early_stop, cfg.early_stop_delta)
+    best = BestModel(cfg.keep_best, cfg.early_stop, cfg.early_stop_delta)
+    figures = sorted(f"eval_{name}" for name in ("loss", *task.metrics))
+    if task.eval_fn is None and best.metric not in figures:
+        raise ConfigError(f"--keep-best {best.metric}: the evaluation has no such figure; it has {', '.join(figures)}")
+    return best
 
 
 def write_best(weights: dict[str, Any], run_dir: Path, best: BestModel, epoch: int) -> list[str]:
