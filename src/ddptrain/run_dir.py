@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, StorageNotShared
+from .store_calls import STORE_CALL_S, store_filesystem
 
 MANIFEST = ".manifest"
 SNAPSHOT_NAME = re.compile(r"^step-(\d{9})(\.pt)?$")  # a file (one rank wrote it) or a DCP folder (sharded)
@@ -148,57 +149,6 @@ BACKENDS = {"s3": ("s3fs", "s3", "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or A
                      "AZURE_STORAGE_ACCOUNT_KEY")}
 
 
-def _quiet_dropped_connections() -> None:
-    """A store that drops its connections leaves aiohttp's write tasks failed and never awaited
-    (the request itself failed, and is retried): asyncio would print each as "Task exception was
-    never retrieved" with a traceback. fsspec's event loop (its own thread) drops those; any
-    other problem there is reported as asyncio would."""
-    import fsspec.asyn
-
-    loop = fsspec.asyn.get_loop()
-
-    def handler(loop: Any, context: dict[str, Any]) -> None:
-        if isinstance(context.get("exception"), ConnectionError) and "never retrieved" in context.get("message", ""):
-            return
-        loop.default_exception_handler(context)
-
-    loop.set_exception_handler(handler)
-
-
-STORE_READ_TIMEOUT_S = 7  # seconds an S3 request may wait for the store's answer
-STORE_TRIES = 2  # s3fs's attempts of a request
-STORE_CALL_S = 10.0  # the most a call on the store may take (a transfer: more, by its size)
-STORE_SLOWEST_MB_S = 1.0  # the slowest transfer rate a call is given time for
-STORE_MOVE_S = 300.0  # moving an earlier run's files aside (copies on the store's side)
-
-
-class BoundedStore:
-    """An fsspec filesystem whose calls are bounded in time with fsspec's own ``timeout`` (the
-    call's coroutine is cancelled, its connection closed). A store that accepts and never answers
-    (a partition that drops packets) then fails a call like a store that refuses, and the caller
-    retries (snapshots/uploads.py): s3fs's uploads waited on such a store for minutes, past any
-    read timeout (measured: a 1 KB put through a silent proxy had not returned after 200 s)."""
-
-    def __init__(self, fs: Any) -> None:
-        self.fs = fs
-
-    def __getattr__(self, name: str) -> Any:
-        call = getattr(self.fs, name)
-        if not callable(call) or not hasattr(self.fs, f"_{name}"):  # only async methods' mirrors take a timeout
-            return call
-
-        def bounded(*args: Any, **kwargs: Any) -> Any:
-            return call(*args, timeout=self.seconds(name, args), **kwargs)
-        return bounded
-
-    def seconds(self, name: str, args: tuple[Any, ...]) -> float:
-        if name == "put_file":
-            return STORE_CALL_S + os.path.getsize(args[0]) / (STORE_SLOWEST_MB_S * 1e6)
-        if name == "get_file":
-            return STORE_CALL_S + self.size(args[0]) / (STORE_SLOWEST_MB_S * 1e6)
-        return STORE_MOVE_S if name == "mv" else STORE_CALL_S
-
-
 class StoreRunDir(RunDir):
     """A run dir on object storage, through fsspec (listings never cached: other machines write
     too), worked in through this machine's mirror of it (``local``)."""
@@ -218,24 +168,11 @@ class StoreRunDir(RunDir):
     @property
     def _store(self) -> Any:
         if self._fs is None:
-            import fsspec
-
-            # A store that refuses, or accepts and never answers (a partition that drops packets),
-            # fails a request within STORE_REQUEST_S, not botocore's 60 s read timeout times its and
-            # s3fs's retries (over 6 minutes, measured): snapshots/uploads.py retries with its own
-            # backoff while the training goes on.
-            options = {"config_kwargs": {"connect_timeout": 5, "read_timeout": STORE_READ_TIMEOUT_S,
-                                         "retries": {"total_max_attempts": 1}}} if self.scheme == "s3" else {}
             try:
-                self._fs = fsspec.filesystem(self.scheme, use_listings_cache=False, skip_instance_cache=True,
-                                             **options)
+                self._fs = store_filesystem(self.scheme)  # every call bounded in time (store_calls.py)
             except ImportError:
                 self.check_url()  # names the package and its extra
                 raise
-            if self.scheme == "s3":
-                self._fs.retries = STORE_TRIES  # s3fs's own retries of a timed-out request (5 by default)
-            self._fs = BoundedStore(self._fs)
-            _quiet_dropped_connections()
         return self._fs
 
     def _path(self, name: str = "") -> str:
@@ -270,7 +207,7 @@ class StoreRunDir(RunDir):
         bucket = self._path().split("/", 1)[0]
         try:
             self._store.info(bucket)  # one small request, whatever the bucket holds
-        except TimeoutError:  # (fsspec's, at STORE_CALL_S)
+        except TimeoutError:  # (fsspec's, at STORE_CALL_S: a store that accepts and never answers)
             raise ConfigError(f"{flag} {self.url}: the store accepts connections but did not answer within "
                               f"{STORE_CALL_S:g} s; check the endpoint and the network, then run the same "
                               "command again") from None
