@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,8 +68,10 @@ def build_parser() -> OneLineParser:
     train.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int,
                        default=None, help=argparse.SUPPRESS)
     commands.add_parser("env", help="what torch, CUDA and the launcher look like from here")
-    report = commands.add_parser("report", help="summary table and curves.png of a finished run")
+    report = commands.add_parser("report", help="summary table, goodput over every attempt, curves.png and "
+                                 "goodput.png of a run")
     report.add_argument("run_dir", help="a run directory holding metrics.jsonl")
+    report.add_argument("--json", action="store_true", help="print the summary and goodput's parts as JSON")
     report.add_argument("--sync", default=None, metavar="TRACKER",
                         help="send the run's records that TRACKER (mlflow, wandb, csv, tensorboard) missed, "
                         "each step once, to the same tracker run; 'store': upload what this machine's mirror "
@@ -113,21 +116,28 @@ def given_options(args: argparse.Namespace) -> dict[str, Any]:
 def train(args: argparse.Namespace) -> int:
     from .api import execute, prepare
     from .errors import TrainingFailed
+    from .observe.goodput import LAUNCHED_AT, process_started_at
 
-    cfg, factory = prepare(None, given_options(args), args.config)  # torch is not imported before this
+    launched = LAUNCHED_AT not in os.environ
+    os.environ.setdefault(LAUNCHED_AT, str(process_started_at()))  # this process's start is the attempt's
     try:
+        cfg, factory = prepare(None, given_options(args), args.config)  # torch is not imported before this
         outcome, rank = execute(cfg, factory, args.local_rank, leave_on_failure=True)
     except TrainingFailed as failure:
         from .console import say
 
         say(str(failure), sys.stderr)
         return failure.exit_code
+    finally:
+        if launched:  # (main() may run inside a test or a script)
+            os.environ.pop(LAUNCHED_AT, None)
     from .launch.rank import exit_for
 
     return exit_for(outcome, is_main=rank == 0)
 
 
 def report(args: argparse.Namespace) -> int:
+    from .observe.goodput import UNKNOWN, account, goodput_table, plot_timeline, read_timeline
     from .observe.report import format_summary, plot_curves, summarize
     from .run_dir import RunDir
 
@@ -141,9 +151,16 @@ def report(args: argparse.Namespace) -> int:
     if not (run_dir / "metrics.jsonl").is_file():
         raise ConfigError(f"{args.run_dir}: no metrics.jsonl here; give the --run-dir of a run")
     summary = summarize(run_dir)
+    found = account(read_timeline(run_dir))
+    if args.json:  # for machines: the summary and goodput's parts, nothing else
+        print(json.dumps({"summary": summary, "goodput": found}, indent=2))
+        return 0
     print(format_summary(summary) if summary else f"{run_dir}: no epoch finished yet")
     note = plot_curves(run_dir)
     print(note or f"curves: {run_dir / 'curves.png'}")
+    print(UNKNOWN if found is None else goodput_table(found))
+    if found is not None:
+        print(plot_timeline(run_dir) or f"timeline: {run_dir / 'goodput.png'}")
     if (run_dir / "model.pt").is_file():
         from .export import export_command_hint
 

@@ -37,7 +37,7 @@ from .store_calls import STORE_CALL_S, store_filesystem
 MANIFEST = ".manifest"
 SNAPSHOT_NAME = re.compile(r"^step-(\d{9})(\.pt)?$")  # a file (one rank wrote it) or a DCP folder (sharded)
 # What makes a run (copied up as written, down at start); the rest of a run dir is the machine's.
-RUN_FILES = ("metrics.jsonl", "config.json", "trackers.json", "metrics.csv", "hf_model.json")
+RUN_FILES = ("metrics.jsonl", "config.json", "trackers.json", "metrics.csv", "hf_model.json", "timeline.jsonl")
 # What an earlier run leaves that a fresh start moves aside (the store holds those it was sent).
 LEFTOVERS = ("snapshots", *RUN_FILES, "model.pt", "curves.png", "tensorboard", "wandb", "best", "ema")
 LEDGER = ".not-uploaded.json"  # in a mirror, while it holds uploads the store lacks (snapshots/uploads.py)

@@ -245,7 +245,7 @@ class Trainer:
                 self.reporter.info(f"the training stream has no state_dict(): reading epoch {self.progress.epoch} again"
                                    f" up to step {self.progress.step_in_epoch} (slower, still exact; docs/data.md)")
         resumed_at = None if self.start is None else (self.progress.global_step, self.progress.epoch)
-        self.reporter.begin(self.cfg, resumed_at)
+        self.reporter.begin(self.cfg, resumed_at, self.ctx.world_size)
         if self.ctx.rank == 0 and self.cfg.keep > 0:
             low = space_warning(self.run_dir, snapshot_estimate(self.module, self.optimizer, self.average is not None),
                                 self.cfg.keep)
@@ -332,7 +332,8 @@ class Trainer:
         self.progress.step_done(step_samples)
         self.tally.step_done(loss)
         shown = loss is not None and self.progress.global_step % LOSS_DISPLAY_EVERY == 0
-        self.reporter.step_done(loss * self.ctx.world_size if shown and loss is not None else None)  # rank 0's mean
+        self.reporter.step_done(self.progress.global_step,  # the loss shown: rank 0's mean
+                               loss * self.ctx.world_size if shown and loss is not None else None)
         return True
 
     def _share_buffers(self) -> None:
@@ -345,7 +346,8 @@ class Trainer:
         also = {} if self.replicas is None else {"samples_skipped": self.replicas.samples_skipped}  # torchft's
         record = self.tally.epoch_record(epoch, since, self._epoch_samples(partial is not None), partial, **also)
         if self.cadence.evaluate_at_epoch_end(epoch, partial is not None):
-            self.evaluations.add_to(record)
+            with self.reporter.timed("eval", self.progress.global_step):
+                self.evaluations.add_to(record)
         self.reporter.log(record)
         if partial is None:
             self.tally.next_epoch()
@@ -360,7 +362,8 @@ class Trainer:
     def _evaluation(self, epoch: int) -> dict[str, Any]:
         """An evaluation record of its own (at the start, or every --eval-every-steps), judged."""
         record = {"kind": "eval", "epoch": epoch, "step": self.progress.global_step}
-        self.evaluations.add_to(record)
+        with self.reporter.timed("eval", self.progress.global_step):
+            self.evaluations.add_to(record)
         return record
 
     def _save(self, last: bool = False) -> None:
@@ -369,9 +372,10 @@ class Trainer:
         ``last``: the checkpointer's commit follows before anything changes the state."""
         if not self.checkpointer.wants(self.progress.global_step):
             return
-        self.tally.before_snapshot()
-        self._share_buffers()
-        self.checkpointer.save(self.progress.global_step, last=last)
+        with self.reporter.timed("snapshot", self.progress.global_step):
+            self.tally.before_snapshot()
+            self._share_buffers()
+            self.checkpointer.save(self.progress.global_step, last=last)
 
     def _finish(self, exiting: bool) -> None:
         self._save(last=True)
@@ -387,7 +391,7 @@ class Trainer:
         write_final_models(self.strategy, self.module, self.average, self.run_dir, self.uploads)
         with self.watchdog.waiting("the end: waiting for model.pt"):
             dist.barrier()  # model.pt is complete before any rank reports success
-        self.reporter.finish()
+        self.reporter.finish(self.progress.global_step)
 
     # --- state -----------------------------------------------------------------------------------
     @property

@@ -8,11 +8,12 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import ddptrain
-from ddptrain.observe.report import read_metrics  # noqa: F401 - the tests' reader of metrics.jsonl
+from ddptrain.observe import report
 
 TESTS = Path(__file__).parent.parent
 REPO = TESTS.parent
@@ -162,3 +163,9 @@ def alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().split(")")[-1].split()[0] != "Z"
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's training records: its last line, a finished run's goodput record, is
+    test_goodput.py's."""
+    return [r for r in report.read_metrics(run_dir) if r.get("kind") != "goodput"]

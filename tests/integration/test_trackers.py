@@ -6,6 +6,7 @@ import json
 import pytest
 
 from ddptrain import TrainingFailed
+from ddptrain.observe.report import read_metrics as every_record  # metrics.jsonl whole: the trackers' copy
 from ddptrain.snapshots import files
 from helpers.commands import assert_ok, clean_env, ddptrain_cli, fit, read_metrics
 
@@ -135,7 +136,7 @@ def test_a_kill_at_any_moment_leaves_every_tracker_each_metric_and_step_once(mlf
     fit("ddptrain_test_tasks:kill_digits", run_dir, env=env, **args)  # the same command
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == DIGITS_EPOCHS
-    expected = {(key, r["step"]) for r in records for key in metrics_of(r)}
+    expected = {(key, r["step"]) for r in every_record(run_dir) for key in metrics_of(r)}  # goodput's too
 
     run = _only_run(mlflow_server, experiment)
     held = [(key, step) for key in {k for k, _ in expected} for step, _ in mlflow_server.history(run.info.run_id, key)]
@@ -196,7 +197,7 @@ def test_a_tracker_server_that_never_answers_holds_the_end_at_most_15_s_and_says
 
     records = read_metrics(run_dir)
     wandb = _wandb_pairs(run_dir)
-    assert set(wandb) == {(key, r["step"]) for r in records for key in metrics_of(r)}, wandb
+    assert set(wandb) == {(key, r["step"]) for r in every_record(run_dir) for key in metrics_of(r)}, wandb
     with open(run_dir / "metrics.csv") as handle:
         assert [int(line.split(",")[0]) for line in handle.readlines()[1:]] == [r["step"] for r in records]
 
@@ -234,7 +235,7 @@ def test_a_kill_during_the_runs_end_then_the_same_command_catches_every_tracker_
     assert_ok(again)
     assert "holds a run that already finished 3 epoch(s)" in again.stdout, again.stdout
     records = read_metrics(run_dir)
-    expected = {(key, r["step"]) for r in records for key in metrics_of(r)}
+    expected = {(key, r["step"]) for r in every_record(run_dir) for key in metrics_of(r)}
     wandb = _wandb_pairs(run_dir)
     assert set(wandb) == expected and set(wandb.values()) == {1}, wandb
     import csv

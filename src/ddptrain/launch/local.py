@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -26,6 +27,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ..config import RunConfig
 from ..errors import ConfigError
+from ..observe.goodput import LAUNCHED_AT
 from ..resilience.failures import job_failure
 from ..resilience.stop_signals import restore_handlers
 from ..run_dir import RunDir
@@ -125,7 +127,9 @@ def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFact
     # A restarted rank must not reuse the previous attempt's store (gloo connectFullMesh
     # failures or hangs, pytorch/pytorch#135712); the restart tests here pass with it.
     scope = launcher_scope(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", DDPTRAIN_LOCAL_LAUNCH="1",
-                           DDPTRAIN_LAUNCHER_PID=str(os.getpid()))
+                           DDPTRAIN_LAUNCHER_PID=str(os.getpid()),
+                           # the attempt's start (goodput.py): `ddptrain train`'s process's, else now
+                           **{LAUNCHED_AT: os.environ.get(LAUNCHED_AT) or str(time.time())})
     try:
         with scope:
             if config.start_method == "fork":

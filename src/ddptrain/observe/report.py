@@ -13,6 +13,7 @@ from typing import Any
 
 from ..config import RunConfig
 from ..console import say
+from .goodput import Timeline, goodput_figures
 from .tracking import Tracking
 
 
@@ -40,8 +41,8 @@ def kept_on_resume(record: dict[str, Any], step: int, epoch: int) -> bool:
     taken at a stream's last step, before the stream said it was over (a stream's end is only
     known at the next fetch), or a 0.2 snapshot at an epoch's last step; and a partial record
     (the epoch --max-steps ended) goes, as the epoch goes on now."""
-    if record.get("step", 0) > step or record.get("partial"):
-        return False
+    if record.get("step", 0) > step or record.get("partial") or record.get("kind") == "goodput":
+        return False  # (goodput: the run's end counts it again, over every attempt)
     return not (record.get("kind") == "epoch" and record.get("epoch") == epoch)
 
 
@@ -59,10 +60,12 @@ class Reporter:
         self.cfg, self.run_dir, self.uploads = cfg, Path(run_dir), uploads
         self.bar: Any = None
         self.tracking: Tracking | None = None
+        self.timeline = Timeline(self.run_dir)  # goodput.py: begun by rank 0's begin() alone
 
-    def begin(self, cfg: RunConfig, resumed_at: tuple[int, int] | None) -> None:
+    def begin(self, cfg: RunConfig, resumed_at: tuple[int, int] | None, world_size: int = 1) -> None:
         """The run's settings as really used (config.json); on resume at ``(global step,
-        epoch)``, forget metrics logged after the snapshot (those steps run again and log again)."""
+        epoch)``, forget metrics logged after the snapshot (those steps run again and log again).
+        The attempt's timeline begins: what follows is training (goodput.py)."""
         self.cfg = cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(cfg.to_json() + "\n")
@@ -70,7 +73,8 @@ class Reporter:
         if resumed_at is not None:
             kept = [r for r in read_metrics(self.run_dir) if kept_on_resume(r, *resumed_at)]
             (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
-        self._upload("config.json", "metrics.jsonl")
+        self.timeline.begin(resumed_at[0] if resumed_at else 0, world_size)
+        self._upload("config.json", "metrics.jsonl", "timeline.jsonl")
         if cfg.trackers():
             from .trackers import make_trackers
 
@@ -113,7 +117,9 @@ class Reporter:
         self.bar = tqdm(total=steps, initial=done, desc=f"epoch {epoch}", unit="step",
                         leave=False, dynamic_ncols=True, file=sys.stderr)
 
-    def step_done(self, loss: Any = None) -> None:
+    def step_done(self, step: int, loss: Any = None) -> None:
+        """Global step ``step`` is done; ``loss``: the one to show, when it is read."""
+        self.timeline.step_done(step)
         if self.bar is None:
             return
         self.bar.update(1)
@@ -128,12 +134,20 @@ class Reporter:
     # --- records -------------------------------------------------------------------------------
     def log(self, record: dict[str, Any]) -> None:
         """One line of metrics.jsonl, a console line, and the trackers' copies (queued)."""
+        self._record(record)
+        self.info(console_line(record))
+
+    def _record(self, record: dict[str, Any]) -> None:
         with open(self.run_dir / "metrics.jsonl", "a") as handle:
             handle.write(json.dumps(record) + "\n")
-        self.info(console_line(record))
         if self.tracking is not None:
             self.tracking.log(record)
-        self._upload("metrics.jsonl", "trackers.json", "metrics.csv")
+        self._upload("metrics.jsonl", "trackers.json", "metrics.csv", "timeline.jsonl")
+
+    def timed(self, kind: str, step: int) -> Any:
+        """A context: a snapshot's (``"snapshot"``) or an evaluation's (``"eval"``) blocking time
+        after ``step``, in the timeline."""
+        return self.timeline.activity(kind, step)
 
     def _upload(self, *names: str) -> None:
         """A run dir on a store: these files go up behind the training (each a whole object)."""
@@ -142,7 +156,13 @@ class Reporter:
                 if (self.run_dir / name).is_file():
                     self.uploads.add_file(name)
 
-    def finish(self) -> None:
+    def finish(self, step: int) -> None:
+        """The run ended at global step ``step``: its goodput over every attempt (metrics.jsonl,
+        the trackers), the summary, the curves, the trackers closed."""
+        self.timeline.end("finished")
+        figures = goodput_figures(self.run_dir)
+        if figures:
+            self._record({"kind": "goodput", "step": step, **figures})
         summary = summarize(self.run_dir)
         self.info(format_summary(summary))
         if self.cfg.plot:
@@ -151,6 +171,7 @@ class Reporter:
 
     def close(self, status: str, summary: dict[str, Any] | None = None) -> None:
         """Close the trackers' runs (``status``: finished, stopped, failed), once."""
+        self.timeline.end(status)
         if self.tracking is not None:
             tracking, self.tracking = self.tracking, None
             files = [self.run_dir / name for name in ("config.json", "curves.png")]
@@ -166,7 +187,7 @@ class NullReporter(Reporter):
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
         super().__init__(cfg, run_dir)
 
-    def begin(self, cfg: RunConfig, resumed_at: tuple[int, int] | None) -> None:
+    def begin(self, cfg: RunConfig, resumed_at: tuple[int, int] | None, world_size: int = 1) -> None:
         self.cfg = cfg
 
     def info(self, message: str) -> None:
@@ -178,7 +199,7 @@ class NullReporter(Reporter):
     def log(self, record: dict[str, Any]) -> None:
         pass
 
-    def finish(self) -> None:
+    def finish(self, step: int) -> None:
         pass
 
     def catch_up(self) -> None:
@@ -271,6 +292,11 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     if best.is_file():
         kept = json.loads(best.read_text())
         summary[f"best_{kept['metric']}"], summary["best_step"] = kept["value"], kept["step"]
+    goodput = [r for r in records if r.get("kind") == "goodput"]
+    if goodput:
+        summary["goodput"] = goodput[-1]["goodput"]
+        if goodput[-1]["attempts"] > 1:
+            summary["attempts"], summary["steps_redone"] = goodput[-1]["attempts"], goodput[-1]["steps_redone"]
     if epochs and "samples_skipped" in epochs[-1]:  # --fault-tolerance torchft: what missing groups missed
         summary["samples_skipped"] = epochs[-1]["samples_skipped"]
     skipped = [step for r in epochs for step in r.get("skipped_steps", [])]

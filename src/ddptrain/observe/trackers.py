@@ -101,9 +101,13 @@ class CsvTracker(Tracker):
 
     def send(self, step: int, metrics: dict[str, float], wall_time: float | None) -> None:
         row = {"step": step, **metrics}
-        self.rows.append(row)
+        joined = bool(self.rows) and int(self.rows[-1]["step"]) == step  # one row per step (the run's goodput
+        if joined:                                                   # shares the last epoch's)
+            self.rows[-1].update(metrics)
+        else:
+            self.rows.append(row)
         new = [key for key in metrics if key not in self.columns]
-        if new or not self.path.is_file():
+        if new or joined or not self.path.is_file():
             self.columns += new
             tmp = self.path.with_name(f".metrics.csv.{os.getpid()}.tmp")
             with open(tmp, "w", newline="") as handle:

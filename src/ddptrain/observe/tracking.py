@@ -117,6 +117,7 @@ class Delivery:
         self.tracker, self.state = tracker, state
         self.held: set[tuple[str, int]] = set()
         self.through = -1
+        self.sending: int | None = None  # the step this process sent last (a second record may share it)
         self.sent = 0
 
     def open(self, run_dir: Path, params: dict[str, str]) -> None:
@@ -132,13 +133,14 @@ class Delivery:
 
     def deliver(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
-        metrics = {k: v for k, v in metrics_of(record).items()
-                   if step > self.through and (k, step) not in self.held}
+        untaken = step > self.through or step == self.sending
+        metrics = {k: v for k, v in metrics_of(record).items() if untaken and (k, step) not in self.held}
         if not metrics:
             return
         self.tracker.send(step, metrics, record.get("time"))
         self.held.update((k, step) for k in metrics)
         self.sent += len(metrics)
+        self.sending = step
         if step > self.through:
             self.through = step
             self.state.update(self.tracker.name, through_step=step)

@@ -1,0 +1,62 @@
+"""Goodput's accounting (observe/goodput.py) on timelines written by hand: every part, the
+steps a later attempt redid, an elastic restart's start, a line cut by a crash."""
+
+import json
+import os
+
+import pytest
+
+from ddptrain.observe.goodput import PARTS, SLOT, Timeline, account, read_timeline
+
+
+def start(t, ready, resumed_from=0, process_t=None):
+    return {"e": "start", "t": t, "process_t": process_t or t, "ready_t": ready, "resumed_from": resumed_from,
+            "world_size": 2}
+
+
+def steps(a, b, t0, t1):
+    return {"e": "steps", "a": a, "b": b, "t0": t0, "t1": t1}
+
+
+def test_every_part_and_the_steps_a_later_attempt_redid():
+    events = [
+        start(0, 2),                                  # start-up 2 s
+        steps(0, 10, 2, 12), {"e": "snapshot", "step": 10, "t0": 12, "t1": 13},
+        steps(10, 20, 13, 23),                        # resumed from 14 below: 4 kept, 6 redone
+        {"e": "end", "outcome": "failed", "t0": 23, "t1": 25},   # the failure's detection: waiting
+        # an elastic restart: the launcher's start (0) is before the end of attempt 1, the process's counts
+        start(0, 31, resumed_from=14, process_t=30),  # 5 s between, 1 s start-up
+        steps(14, 30, 31, 47), {"e": "eval", "step": 30, "t0": 47, "t1": 49},
+        {"e": "end", "outcome": "finished", "t0": 49, "t1": 50},
+    ]
+    found = account(events)
+    assert found["attempts"] == 2 and found["steps_redone"] == 6
+    assert found["wall_s"] == 50
+    assert {name: found[f"{name}_s"] for name in PARTS} == pytest.approx({
+        "steps_kept": 10 + 4 + 16, "startup": 2 + 1, "steps_redone": 6, "snapshots": 1, "evaluations": 2,
+        "waiting": 2, "end": 1, "between_attempts": 5})
+    assert found["goodput"] == pytest.approx(30 / 50)
+
+
+def test_no_timeline_is_unknown_and_a_cut_line_is_skipped(tmp_path):
+    assert account([]) is None
+    (tmp_path / "timeline.jsonl").write_text(json.dumps(start(0, 1)) + "\n" + '{"e": "steps", "a": 0, "b"\n')
+    assert account(read_timeline(tmp_path))["startup_s"] == 1
+
+
+def test_the_timeline_rewrites_one_line_per_stretch_of_steps(tmp_path):
+    """A step is one pwrite in place (at most every WRITE_EVERY_S), not a line per step."""
+    timeline = Timeline(tmp_path)
+    timeline.begin(0, 2)
+    for step in range(1, 201):
+        timeline.step_done(step)
+    with timeline.activity("snapshot", 200):
+        pass
+    timeline.step_done(201)
+    timeline.end("finished")
+    events = read_timeline(tmp_path)
+    assert [e["e"] for e in events] == ["start", "steps", "snapshot", "steps", "end"]
+    assert (events[1]["a"], events[1]["b"], events[3]["a"], events[3]["b"]) == (0, 200, 200, 201)
+    assert os.path.getsize(tmp_path / "timeline.jsonl") < 2 * SLOT + 600
+    found = account(events)
+    assert sum(found[f"{name}_s"] for name in PARTS) == pytest.approx(found["wall_s"])
