@@ -23,10 +23,18 @@ Per failure: the seconds the job lost (its wall time against the same job uninte
 healthy group's for torchft), the steps redone (restart) or missed by the failed group
 (torchft), and the longest wait between two of rank 0's (group 0's) steps. Medians over the
 repetitions, ranges beside them.
+
+With ``--failures F`` (say 5), the failures follow a seeded schedule instead: the doomed rank,
+node or group SIGKILLs itself at its N-th step of each attempt, N drawn from an exponential
+distribution of mean ``--mean-steps`` (``--seed``), F times (the elastic path's node is
+started again after each kill, as an orchestrator replaces a node). A second table gives each
+path's goodput over every attempt, read from the run's timeline.jsonl (ddptrain report's
+figure), and its parts: start-up, steps redone, between attempts, waiting.
 """
 
 import argparse
 import os
+import random
 import re
 import select
 import signal
@@ -38,6 +46,7 @@ import time
 from pathlib import Path
 
 from ddptrain import Task, free_port
+from ddptrain.observe.goodput import account, read_timeline
 from ddptrain.tasks import regression_task
 
 BENCH = Path(__file__).resolve().parent
@@ -48,14 +57,17 @@ JOB = ["--task", "fault_tolerance:paced", "--max-epochs", "6", "--batch-size", "
 
 def paced(cfg) -> Task:
     """The job's task (run by the ranks): regression, each loss STEP_SLEEP s later, rank 0's
-    times in STEP_LOG; rank KILL_RANK SIGKILLs itself at its KILL_STEP-th loss once (KILL_MARKER),
-    with KILL_NODE its whole process group (a torchrun agent started in a session of its own)."""
+    times in STEP_LOG; rank KILL_RANK SIGKILLs itself at its N-th loss of an attempt, N the next
+    of KILL_GAPS (comma-separated) not yet done (KILL_MARKERS holds a file per kill done), with
+    KILL_NODE its whole process group (a torchrun agent started in a session of its own)."""
     time.sleep(float(os.environ.get("STARTUP_S", "0")))
     task = regression_task(cfg)
     rank, pause = int(os.environ["RANK"]), float(os.environ.get("STEP_SLEEP", "0.02"))
-    log, marker = os.environ.get("STEP_LOG"), Path(os.environ.get("KILL_MARKER", "/nonexistent"))
+    log, markers = os.environ.get("STEP_LOG"), Path(os.environ.get("KILL_MARKERS", "/nonexistent"))
+    gaps = [int(gap) for gap in os.environ.get("KILL_GAPS", "").split(",") if gap]
+    done = len(list(markers.glob("killed-*")))
     killed = os.environ.get("KILL_RANK") in (str(rank), "any")  # any: whichever rank this process is
-    kill_at = int(os.environ.get("KILL_STEP", "0")) if killed else 0
+    kill_at = gaps[done] if killed and done < len(gaps) else 0
     victim = os.getpgid(0) if os.environ.get("KILL_NODE") else 0  # the node: its agent's process group
     calls = {"n": 0}
     loss_fn = task.loss_fn
@@ -63,8 +75,8 @@ def paced(cfg) -> Task:
     def counted(*args):
         calls["n"] += 1
         time.sleep(pause)
-        if calls["n"] == kill_at and not marker.exists():
-            marker.write_text("killed")
+        if calls["n"] == kill_at:
+            (markers / f"killed-{done}").write_text("killed")
             if victim:
                 os.killpg(victim, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -88,28 +100,46 @@ def _longest_gap(step_log: Path) -> float:
     return max(b - a for a, b in zip(times, times[1:]))
 
 
-def restart(folder: Path, kill: bool, kill_step: int, save_every: int) -> dict[str, float]:
+def _doomed(rank: str, folder: Path, gaps: list[int]) -> dict[str, str]:
+    """The variables that make ``rank`` ("any": the node's) fail on the schedule ``gaps``."""
+    return {"KILL_RANK": rank, "KILL_GAPS": ",".join(map(str, gaps)), "KILL_MARKERS": str(folder)} if gaps else {}
+
+
+def _kills(folder: Path) -> int:
+    return len(list(folder.glob("killed-*")))
+
+
+def _goodput(run_dir: Path) -> dict[str, float]:
+    """The run's goodput and its parts, as `ddptrain report` reads them from timeline.jsonl."""
+    found = account(read_timeline(run_dir))
+    if found is None:
+        raise SystemExit(f"{run_dir}: no timeline.jsonl")
+    return found
+
+
+def restart(folder: Path, gaps: list[int], save_every: int) -> dict[str, float]:
     log = folder / "steps"
-    env = _env(STEP_LOG=str(log), **({"KILL_RANK": "1", "KILL_STEP": str(kill_step),
-                                       "KILL_MARKER": str(folder / "killed")} if kill else {}))
+    env = _env(STEP_LOG=str(log), **_doomed("1", folder, gaps))
     started = time.perf_counter()
-    subprocess.run([*DDPTRAIN, "train", *JOB, "--nproc", "2", "--max-restarts", "1", "--save-every", str(save_every),
-                    "--run-dir", str(folder / "run")], env=env, check=True, capture_output=True)
+    subprocess.run([*DDPTRAIN, "train", *JOB, "--nproc", "2", "--max-restarts", str(max(len(gaps), 1)),
+                    "--save-every", str(save_every), "--run-dir", str(folder / "run")],
+                   env=env, check=True, capture_output=True)
     wall = time.perf_counter() - started
-    redone = kill_step - (kill_step - 1) // save_every * save_every - 1 if kill else 0
-    return {"wall": wall, "steps": redone, "gap": _longest_gap(log)}
+    found = _goodput(folder / "run")
+    return {"wall": wall, "steps": found["steps_redone"], "gap": _longest_gap(log), "kills": _kills(folder), **found}
 
 
-def elastic(folder: Path, kill: bool, kill_step: int, save_every: int) -> dict[str, float]:
+def elastic(folder: Path, gaps: list[int], save_every: int) -> dict[str, float]:
     log, port = folder / "steps", free_port()
     env = _env(STEP_LOG=str(log), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    doomed = {"KILL_RANK": "any", "KILL_STEP": str(kill_step), "KILL_NODE": "1",
-              "KILL_MARKER": str(folder / "killed")} if kill else {}
+    doomed = {**_doomed("any", folder, gaps), "KILL_NODE": "1"} if gaps else {}
+    restarts = str(2 * len(gaps) + 1)  # the host's ranks restart when the node goes, and when it comes back
 
     def node(host: bool) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1",
-             "--monitor-interval=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=bench",
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
+             f"--max-restarts={restarts}", "--monitor-interval=1", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=bench",
              f"--rdzv-conf=is_host={int(host)},last_call_timeout=2", "-m", "ddptrain", "train", *JOB,
              "--save-every", str(save_every), "--run-dir", str(folder / "run")],
             env={**env, **({} if host else doomed)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -117,8 +147,16 @@ def elastic(folder: Path, kill: bool, kill_step: int, save_every: int) -> dict[s
 
     started = time.perf_counter()
     nodes = [node(host=True), node(host=False)]
+    replaced = 0
     try:
-        if nodes[0].wait(timeout=600) != 0:
+        while nodes[0].poll() is None:
+            if time.perf_counter() - started > 600:
+                raise SystemExit("elastic: the job did not end within 600 s")
+            if len(gaps) > 1 and nodes[1].poll() is not None and _kills(folder) > replaced:
+                nodes[1] = node(host=False)  # the orchestrator replaces the failed node
+                replaced += 1
+            time.sleep(0.1)
+        if nodes[0].returncode != 0:
             raise SystemExit(f"elastic: the first node's torchrun exited {nodes[0].returncode}")
         wall = time.perf_counter() - started
     finally:
@@ -126,11 +164,11 @@ def elastic(folder: Path, kill: bool, kill_step: int, save_every: int) -> dict[s
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
             agent.wait()
-    redone = kill_step - (kill_step - 1) // save_every * save_every - 1 if kill else 0
-    return {"wall": wall, "steps": redone, "gap": _longest_gap(log)}
+    found = _goodput(folder / "run")
+    return {"wall": wall, "steps": found["steps_redone"], "gap": _longest_gap(log), "kills": _kills(folder), **found}
 
 
-def torchft(folder: Path, kill: bool, kill_step: int, save_every: int) -> dict[str, float]:
+def torchft(folder: Path, gaps: list[int], save_every: int) -> dict[str, float]:
     port = free_port()
     lighthouse = subprocess.Popen([*DDPTRAIN, "lighthouse", "--bind", f"127.0.0.1:{port}", "--heartbeat-timeout-ms",
                                    "2000", "--join-timeout-ms", "1000"], stdout=subprocess.PIPE, env=_env(), text=True)
@@ -139,29 +177,42 @@ def torchft(folder: Path, kill: bool, kill_step: int, save_every: int) -> dict[s
         raise SystemExit("ddptrain lighthouse printed nothing within 120 s")
     lighthouse.stdout.readline()  # type: ignore[union-attr]
     ft = ["--fault-tolerance", "torchft", "--replica-groups", "2", "--lighthouse", f"http://127.0.0.1:{port}",
-          "--nproc", "1", "--max-restarts", "1", "--save-every", str(save_every)]
+          "--nproc", "1", "--save-every", str(save_every)]
     try:
         log = folder / "steps"
         groups = []
         started = time.perf_counter()
         for group in (0, 1):
-            env = _env(STEP_LOG=str(log)) if group == 0 else _env(
-                **({"KILL_RANK": "0", "KILL_STEP": str(kill_step), "KILL_MARKER": str(folder / "killed")}
-                   if kill else {}))
-            groups.append(subprocess.Popen([*DDPTRAIN, "train", *JOB, *ft, "--replica-group", str(group), "--run-dir",
-                                            str(folder / f"group-{group}")], env=env, stdout=subprocess.PIPE,
-                                           stderr=subprocess.STDOUT, text=True))
+            env = _env(STEP_LOG=str(log)) if group == 0 else _env(**_doomed("0", folder, gaps))
+            restarts = str(max(len(gaps), 1) if group == 1 else 1)
+            groups.append(subprocess.Popen([*DDPTRAIN, "train", *JOB, *ft, "--max-restarts", restarts,
+                                            "--replica-group", str(group), "--run-dir", str(folder / f"group-{group}")],
+                                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         first, _ = groups[0].communicate()
         wall = time.perf_counter() - started
         groups[1].communicate()
-        left = re.findall(r"step (\d+): replica group 1 left", first)
-        joined = re.findall(r"step (\d+): replica group 1 joined", first)
+        left = [int(step) for step in re.findall(r"step (\d+): replica group 1 left", first)]
+        joined = [int(step) for step in re.findall(r"step (\d+): replica group 1 (?:joined|rejoined)", first)]
         # (a group that comes back after the other finished never rejoins: it missed the rest)
-        missed = (int(joined[0]) if joined else STEPS) - int(left[0]) if left else 0
-        return {"wall": wall, "steps": missed, "gap": _longest_gap(log)}
+        missed = sum((joined[n] if n < len(joined) else STEPS) - step for n, step in enumerate(left))
+        found = _goodput(folder / "group-0")  # the healthy group's: it trained on
+        return {"wall": wall, "steps": missed, "gap": _longest_gap(log), "kills": _kills(folder), **found}
     finally:
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
+
+
+def schedule(failures: int, mean_steps: float, seed: int, kill_step: int) -> list[int]:
+    """The doomed rank's step of each attempt at which it fails: one at ``kill_step``, or
+    ``failures`` drawn from an exponential distribution of mean ``mean_steps`` (at least 1)."""
+    if failures == 0:
+        return [kill_step]
+    draw = random.Random(seed)
+    return [max(1, round(draw.expovariate(1 / mean_steps))) for _ in range(failures)]
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def main() -> None:
@@ -170,30 +221,45 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int, default=60)
     parser.add_argument("--save-every", type=int, default=20)
     parser.add_argument("--startup-s", type=float, default=5.0)
+    parser.add_argument("--failures", type=int, default=0, help="a schedule of this many failures (0: one, at "
+                        "--kill-step)")
+    parser.add_argument("--mean-steps", type=float, default=40.0, help="the schedule's mean steps between failures")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--paths", default="restart,elastic,torchft")
     args = parser.parse_args()
     os.environ["STARTUP_S"] = str(args.startup_s)
+    gaps = schedule(args.failures, args.mean_steps, args.seed, args.kill_step)
+    paths = {"restart": restart, "elastic": elastic, "torchft": torchft}
+    names = args.paths.split(",")
     results: dict[tuple[str, bool], list[dict[str, float]]] = {}
     for rep in range(args.reps):
-        for name, run in (("restart", restart), ("elastic", elastic), ("torchft", torchft)):
+        for name in names:
             for kill in (False, True):
                 with tempfile.TemporaryDirectory() as folder:
-                    results.setdefault((name, kill), []).append(run(Path(folder), kill, args.kill_step,
-                                                                    args.save_every))
+                    results.setdefault((name, kill), []).append(paths[name](Path(folder), gaps if kill else [],
+                                                                            args.save_every))
                 print(f"rep {rep + 1}/{args.reps}: {name}{' killed' if kill else ''} done", file=sys.stderr)
 
-    def spread(values: list[float]) -> str:
-        return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
-
-    print(f"one failure at step {args.kill_step} of {STEPS}, snapshots every {args.save_every} steps, a start "
-          f"{args.startup_s:g} s longer, {args.reps} repetition(s); seconds: median (range)")
-    print(f"{'':10} {'wall, uninterrupted':>22} {'wall, one failure':>22} {'lost per failure':>22} "
+    failed = f"failures at steps {gaps} of each attempt" if args.failures else f"one failure at step {args.kill_step}"
+    print(f"{failed} of {STEPS}, snapshots every {args.save_every} steps, a start {args.startup_s:g} s longer, "
+          f"{args.reps} repetition(s); seconds: median (range)")
+    print(f"{'':10} {'wall, uninterrupted':>22} {'wall, failures':>22} {'lost per failure':>22} "
           f"{'steps redone/missed':>20} {'longest wait':>18}")
-    for name in ("restart", "elastic", "torchft"):
+    for name in names:
         calm, hit = results[(name, False)], results[(name, True)]
-        lost = [h["wall"] - c["wall"] for c, h in zip(calm, hit)]
+        lost = [(h["wall"] - c["wall"]) / max(h["kills"], 1) for c, h in zip(calm, hit)]
         print(f"{name:10} {spread([c['wall'] for c in calm]):>22} {spread([h['wall'] for h in hit]):>22} "
               f"{spread(lost):>22} {statistics.median(h['steps'] for h in hit):>20.0f} "
               f"{spread([h['gap'] for h in hit]):>18}")
+    print("\ngoodput (timeline.jsonl; torchft: the healthy group's) and the failure runs' badput in seconds")
+    parts = ("startup_s", "steps_redone_s", "between_attempts_s", "waiting_s", "snapshots_s")
+    print(f"{'':10} {'failures':>8} {'goodput, none':>20} {'goodput, failures':>20} "
+          + " ".join(f"{part.removesuffix('_s').replace('_', ' '):>20}" for part in parts))
+    for name in names:
+        calm, hit = results[(name, False)], results[(name, True)]
+        print(f"{name:10} {statistics.median(h['kills'] for h in hit):>8.0f} "
+              f"{spread([c['goodput'] for c in calm]):>20} {spread([h['goodput'] for h in hit]):>20} "
+              + " ".join(f"{spread([h[part] for h in hit]):>20}" for part in parts))
 
 
 if __name__ == "__main__":

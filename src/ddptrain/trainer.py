@@ -317,8 +317,12 @@ class Trainer:
     def _train_step(self, steps: Iterator[list[tuple[Any, MicroBatch]]]) -> bool:
         """The epoch's next step, if it has one (False: the epoch's data is over, or this replica
         group healed from a peer and the epoch goes on where the peer's state stands)."""
-        if self.replicas is not None and self.replicas.begin_step(self.progress.global_step):
-            return False  # healed: this step goes on from the peer's position (its quorum is held)
+        if self.replicas is not None:
+            quorum = time.perf_counter()  # a failed group's stall and a heal are in it: waiting
+            healed = self.replicas.begin_step(self.progress.global_step)
+            self.reporter.waited(time.perf_counter() - quorum)
+            if healed:
+                return False  # this step goes on from the peer's position (its quorum is held)
         fetching = time.perf_counter()
         group = next(steps, None)
         if group is None:  # (a quorum joined here is the next epoch's first step's)

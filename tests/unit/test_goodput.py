@@ -26,16 +26,17 @@ def test_every_part_and_the_steps_a_later_attempt_redid():
         {"e": "end", "outcome": "failed", "t0": 23, "t1": 25},   # the failure's detection: waiting
         # an elastic restart: the launcher's start (0) is before the end of attempt 1, the process's counts
         start(0, 31, resumed_from=14, process_t=30),  # 5 s between, 1 s start-up
-        steps(14, 30, 31, 47), {"e": "eval", "step": 30, "t0": 47, "t1": 49},
+        {**steps(14, 30, 31, 47), "w": 3},            # 3 s of it in torchft's quorum: waiting
+        {"e": "eval", "step": 30, "t0": 47, "t1": 49},
         {"e": "end", "outcome": "finished", "t0": 49, "t1": 50},
     ]
     found = account(events)
     assert found["attempts"] == 2 and found["steps_redone"] == 6
     assert found["wall_s"] == 50
     assert {name: found[f"{name}_s"] for name in PARTS} == pytest.approx({
-        "steps_kept": 10 + 4 + 16, "startup": 2 + 1, "steps_redone": 6, "snapshots": 1, "evaluations": 2,
-        "waiting": 2, "end": 1, "between_attempts": 5})
-    assert found["goodput"] == pytest.approx(30 / 50)
+        "steps_kept": 10 + 4 + 13, "startup": 2 + 1, "steps_redone": 6, "snapshots": 1, "evaluations": 2,
+        "waiting": 2 + 3, "end": 1, "between_attempts": 5})
+    assert found["goodput"] == pytest.approx(27 / 50)
 
 
 def test_no_timeline_is_unknown_and_a_cut_line_is_skipped(tmp_path):
@@ -60,3 +61,16 @@ def test_the_timeline_rewrites_one_line_per_stretch_of_steps(tmp_path):
     assert os.path.getsize(tmp_path / "timeline.jsonl") < 2 * SLOT + 600
     found = account(events)
     assert sum(found[f"{name}_s"] for name in PARTS) == pytest.approx(found["wall_s"])
+
+
+def test_the_projection_young_daly_interval_is_the_best_and_replicas_lose_less():
+    from ddptrain.observe.goodput import best_interval_s, replica_goodput, restart_goodput
+
+    mttf, snapshot, restart = 3 * 3600, 5.0, 600.0
+    best = best_interval_s(mttf, snapshot)
+    assert best == pytest.approx((2 * snapshot * mttf) ** 0.5)
+    at_best = restart_goodput(mttf, best, snapshot, restart)
+    assert all(restart_goodput(mttf, best * f, snapshot, restart) < at_best for f in (0.5, 0.8, 1.25, 2))
+    assert at_best == pytest.approx(1 - snapshot / best - (restart + best / 2) / mttf)
+    assert restart_goodput(60, 600, snapshot, restart) == 0  # a failure before any snapshot: nothing kept
+    assert replica_goodput(mttf, 8, stall_s=2, heal_s=restart) > at_best

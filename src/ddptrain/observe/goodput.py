@@ -11,7 +11,8 @@ leaves its last steps known to that resolution.
 Badput, after Google's goodput and Meta's ETTR: start-up (process start to the first step,
 restore included), steps redone (trained, then lost to a failure before a snapshot kept them:
 the next attempt resumed from an earlier step), snapshots (their blocking time), evaluations,
-waiting (a failed attempt's end: the failure's detection), the end (final snapshot and model.pt,
+waiting (a failed attempt's end: the failure's detection; torchft's quorum, where a failed
+group's stall and a heal show), the end (final snapshot and model.pt,
 up to the summary) and the time between attempts (a crash to the next start).
 """
 
@@ -58,6 +59,7 @@ class Timeline:
         self.stretch: dict[str, Any] | None = None
         self.mark = 0.0  # where the last interval ended: the next one begins here
         self.written = 0.0
+        self.waited_s = 0.0  # waits inside the next step (torchft's quorum), not yet in a stretch
 
     def begin(self, resumed_from: int, world_size: int) -> None:
         """The attempt's start (its process's, or ddptrain's launcher's) and its first step's."""
@@ -76,11 +78,18 @@ class Timeline:
             return
         now = time.time()
         if self.stretch is None:
-            self.stretch = {"e": "steps", "a": step - 1, "b": step, "t0": self.mark, "t1": now}
+            self.stretch = {"e": "steps", "a": step - 1, "b": step, "t0": self.mark, "t1": now, "w": 0.0}
         self.stretch["b"], self.stretch["t1"] = step, now
+        self.stretch["w"] += self.waited_s
+        self.waited_s = 0.0
         self.mark = now
         if now - self.written >= WRITE_EVERY_S:
             self._write_stretch()
+
+    def waited(self, seconds: float) -> None:
+        """Time the next step spent waiting on others, not training (torchft's quorum: a failed
+        group's stall, a heal): counted as waiting, inside its stretch."""
+        self.waited_s += seconds
 
     @contextlib.contextmanager
     def activity(self, kind: str, step: int) -> Iterator[None]:
@@ -183,6 +192,8 @@ def account(events: list[dict[str, Any]]) -> dict[str, Any] | None:
         for event in attempt.events:
             seconds = event["t1"] - event["t0"]
             if event["e"] == "steps":
+                parts["waiting"] += event.get("w", 0.0)
+                seconds -= event.get("w", 0.0)
                 kept = min(max(kept_up_to - event["a"], 0), event["b"] - event["a"]) / (event["b"] - event["a"])
                 parts["steps_kept"] += seconds * kept
                 parts["steps_redone"] += seconds * (1 - kept)
@@ -260,3 +271,24 @@ def plot_timeline(run_dir: Path) -> str | None:
     fig.savefig(Path(run_dir) / "goodput.png", dpi=110)
     plt.close(fig)
     return None
+
+
+# --- projected to scale (docs/fault-tolerance.md, benchmarks/goodput_projection.py) -----------
+def restart_goodput(job_mttf_s: float, interval_s: float, snapshot_s: float, restart_s: float) -> float:
+    """First-order expected goodput of a job that restarts from its newest snapshot (Young 1974,
+    Daly 2006): a snapshot blocks ``snapshot_s`` every ``interval_s`` of training; a failure, one
+    every ``job_mttf_s``, costs ``restart_s`` (detection, start-up, restore) and, on average, half
+    an interval of steps redone."""
+    return min(1.0, max(0.0, 1 - snapshot_s / interval_s - (restart_s + interval_s / 2) / job_mttf_s))
+
+
+def best_interval_s(job_mttf_s: float, snapshot_s: float) -> float:
+    """The snapshot interval that maximises ``restart_goodput`` (Young's sqrt(2 * cost * MTTF))."""
+    return math.sqrt(2 * snapshot_s * job_mttf_s)
+
+
+def replica_goodput(job_mttf_s: float, groups: int, stall_s: float, heal_s: float) -> float:
+    """First-order expected goodput with torchft's replica groups: at a failure every group
+    stalls ``stall_s`` (the lighthouse's heartbeat timeout), and the failed group's share of the
+    job (1/``groups``) is missing for ``heal_s`` (its restart and heal); nothing is redone."""
+    return min(1.0, max(0.0, 1 - (stall_s + heal_s / groups) / job_mttf_s))

@@ -144,6 +144,10 @@ class Reporter:
             self.tracking.log(record)
         self._upload("metrics.jsonl", "trackers.json", "metrics.csv", "timeline.jsonl")
 
+    def waited(self, seconds: float) -> None:
+        """The next step waited ``seconds`` on others (torchft's quorum): goodput's waiting."""
+        self.timeline.waited(seconds)
+
     def timed(self, kind: str, step: int) -> Any:
         """A context: a snapshot's (``"snapshot"``) or an evaluation's (``"eval"``) blocking time
         after ``step``, in the timeline."""
