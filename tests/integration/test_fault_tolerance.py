@@ -214,6 +214,31 @@ def test_a_group_resumed_alone_after_the_others_finished_waits_then_trains_on(li
     assert read_metrics(tmp_path / "group-1")[-1]["step"] == 20
 
 
+@pytest.mark.heartbeat_ms(HEARTBEAT_MS)
+def test_a_group_restarted_after_the_others_finished_the_job_says_so_and_trains_nothing(lighthouse, tmp_path):
+    """Group 1 SIGKILLed at its 15th loss (after its snapshot of step 10); group 0 trains the job's
+    64 steps alone and finishes; group 1, restarted by the same command, finds in the
+    lighthouse's last quorum that the job ended: one line, exit 0, nothing trained (alone it
+    would train a model of its own, 0.08 away from the job's)."""
+    options = ("--task", "ft_tasks:kill_paced", "--max-epochs", "1", "--save-every", "10", "--nproc", "1")
+    kill = {"KILL_RANK": "0", "KILL_STEP": "15", "KILL_MARKER": str(tmp_path / "killed"),
+            "KILL_ONCE_SAVED": str(tmp_path / "group-1" / "snapshots")}
+    pair = [_group(lighthouse, 0, tmp_path / "group-0", *options, STEP_SLEEP="0.02"),
+            _group(lighthouse, 1, tmp_path / "group-1", *options, **kill)]
+    finish(pair[1], 240)
+    assert pair[1].returncode != 0 and (tmp_path / "killed").exists(), (tmp_path / "group-1.log").read_text()
+    assert "replica group 1 left" in _wait(pair[0])
+    before = (tmp_path / "group-1.log").read_text()
+    started = time.monotonic()
+    log = _wait(_group(lighthouse, 1, tmp_path / "group-1", *options, **kill))[len(before):]
+    assert time.monotonic() - started < 60  # no wait for groups that will not come
+    lines = [line for line in log.splitlines() if line.startswith("ddptrain: the other replica groups")]
+    assert lines == ["ddptrain: the other replica groups finished this job (the lighthouse's last quorum took step "
+                     "64) while replica group 1 stood at step 10: nothing left to train here; the job's model is in "
+                     "their run dirs"], log
+    assert "epoch 0 |" not in log and not (tmp_path / "group-1" / "model.pt").exists(), log
+
+
 def test_a_lighthouse_address_that_is_no_lighthouse_is_one_line_before_any_rank_starts(tmp_path):
     """Not a URL; an HTTP server that is something else; a socket that accepts and never answers:
     each one line, exit 2, in seconds (they used to run into --timeout and end in gRPC's error)."""

@@ -45,7 +45,8 @@ from .group import connect_store, hosts_store, joined, resolve_device_kind
 # What a rank returns: (status, message). The launcher prints rank 0's message.
 Outcome = tuple[str, str]
 PR_SET_PDEATHSIG = 1  # prctl(2)
-EXIT_CODES = {"finished": 0, "already_finished": 0, "config_error": 2, "preempted": PREEMPTED_EXIT_CODE}
+EXIT_CODES = {"finished": 0, "already_finished": 0, "ended_elsewhere": 0, "config_error": 2,
+              "preempted": PREEMPTED_EXIT_CODE}
 
 
 _watchdog: Watchdog | None = None  # this process's rank's watchdog (one rank per process)
@@ -237,6 +238,8 @@ def outcome_message(status: str, cfg: RunConfig, reached: tuple[int, int] | None
     if status == "preempted":
         return (f"stopped by a signal at a step boundary; snapshot saved in {cfg.run_dir}/snapshots; "
                 "run the same command to resume")
+    if status == "ended_elsewhere":
+        return ""  # rank 0 said it (resilience/replicas.py): nothing was trained here
     if status == "already_finished":
         home = RunDir.of(cfg.run_dir)
         model = home.url_of("model.pt") if home.exists("model.pt") else None

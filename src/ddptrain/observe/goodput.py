@@ -119,7 +119,8 @@ class Timeline:
         assert self.fd is not None and self.stretch is not None
         if self.slot is None:
             self.slot, self.end_at = self.end_at, self.end_at + SLOT
-        line = json.dumps(self.stretch, separators=(",", ":"))
+        line = json.dumps({key: round(value, 6) if isinstance(value, float) else value
+                           for key, value in self.stretch.items()}, separators=(",", ":"))
         os.pwrite(self.fd, (line.ljust(SLOT - 1) + "\n").encode(), self.slot)
         self.written = time.time()
 

@@ -24,13 +24,22 @@ torchft's own DDP wrapper is not used: when a peer dies during its all-reduce on
 ends the surviving group too (``assert fut._fut``); ``Manager.allreduce`` survives that.
 ``use_async_quorum=False``: a heal is applied inside ``start_quorum``, before the step's
 forward, so the loop re-enters the epoch where the healed state stands.
+
+A group that resumes after the others took the job's last step (its launcher restarted it
+late) has nobody to heal from: the lighthouse's last quorum says the job ended, and the group
+says so in one line and trains nothing (alone it would train a model of its own). Replica ids
+carry a hash of the job's math settings, so another job's quorum on the same lighthouse is
+never taken for this one's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import os
+import re
 import socket
 import time
 import urllib.error
@@ -49,6 +58,8 @@ from ..config import RunConfig
 from ..errors import ConfigError
 from ..run_dir import RunDir
 
+# The lighthouse's dashboard, /status: a member of the last quorum and the step it joined for
+QUORUM_MEMBER = re.compile(r"<b>(group\d+\.[0-9a-f]+):[^<]*</b>\s*<br/>\s*Step:\s*(\d+)")
 RESUMED_WAIT_S = 60.0  # a resumed start's wait for the other groups (a whole-job restart's are not far behind)
 
 
@@ -137,6 +148,9 @@ class ReplicaGroups:
         warnings.filterwarnings("ignore", "`isinstance\\(treespec, LeafSpec\\)` is deprecated", FutureWarning)
 
         self.groups, self.group, self.info = cfg.replica_groups, cfg.replica_group, info
+        self.address = lighthouse_address(cfg)
+        settings = json.dumps(cfg.math_fingerprint(ctx.world_size), sort_keys=True, default=str)
+        self.replica_id = f"group{cfg.replica_group}.{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
         self._load_state = load_state_dict
         self.timeout_s = cfg.timeout
         self.pg = ProcessGroupGloo(timeout=timedelta(seconds=cfg.timeout))
@@ -163,13 +177,32 @@ class ReplicaGroups:
         timeout = timedelta(seconds=cfg.timeout)
         return Manager(
             pg=self.pg, load_state_dict=self._healed, state_dict=state_dict, min_replica_size=1,
-            use_async_quorum=False, replica_id=f"group{cfg.replica_group}", lighthouse_addr=address,
+            use_async_quorum=False, replica_id=self.replica_id, lighthouse_addr=address,
             rank=ctx.rank, world_size=ctx.world_size, timeout=timeout, quorum_timeout=timeout,
             connect_timeout=timedelta(seconds=30),
             # a recovering group receives the live state through the groups' own process group
             checkpoint_transport=PGTransport(self.pg, timeout=timeout, device=ctx.device),
             init_sync=False,  # ddptrain seeds the initial weights: every group starts with the same
             hostname=os.environ.get("DDPTRAIN_FT_HOST") or socket.gethostname())
+
+    def ended_without_us(self, resumed_at: int, last_step: int) -> str | None:
+        """Rank 0, before this group's first quorum: the line that says the job ended, when the
+        lighthouse's last quorum is this job's other groups taking its last step (``last_step``)
+        while this group resumed at ``resumed_at``; None otherwise, or when the dashboard cannot
+        tell (then the group joins and waits as always)."""
+        try:
+            with urllib.request.urlopen(f"{self.address.rstrip('/')}/status", timeout=LIGHTHOUSE_CHECK_S) as page:
+                status = page.read().decode(errors="replace")
+        except (OSError, ValueError):
+            return None
+        job = self.replica_id.split(".", 1)[1]
+        others = {int(step) for member, step in QUORUM_MEMBER.findall(status.split("Previous Quorum", 1)[-1])
+                  if member.endswith("." + job) and member != self.replica_id}
+        if not others or min(others) + 1 < last_step or resumed_at >= last_step:
+            return None
+        return (f"the other replica groups finished this job (the lighthouse's last quorum took step {last_step}) "
+                f"while replica group {self.group} stood at step {resumed_at}: nothing left to train here; the job's "
+                "model is in their run dirs")
 
     def _healed(self, state: dict[str, Any]) -> None:
         self._load_state(state)
