@@ -345,6 +345,8 @@ class Trainer:
         if step_samples == 0:  # a stream's steps agreed it was over: no rank had a sample
             return False
         self.timings.add_step(stepping - fetching, time.perf_counter() - stepping)
+        if self.replicas is not None and not self.replicas.committed:  # nobody took it: a failure's time
+            self.reporter.waited(time.perf_counter() - stepping)
         self.profiler.step_done()
         self.progress.step_done(step_samples)
         self.tally.step_done(loss)

@@ -147,10 +147,10 @@ def test_a_killed_group_leaves_the_other_training_and_rejoins_with_its_weights(l
     times = [float(t) for t in steps.read_text().split()]
     gaps = [b - a for n, (a, b) in enumerate(zip(times, times[1:]), start=2) if n != 70]  # (70: the test's wait)
     assert max(gaps) < HEARTBEAT_MS / 1000 + 4, max(gaps)  # measured: the heartbeat timeout and 0.02-0.06 s
-    # goodput: group 0's stall while group 1 was missing (the quorum that waited out the heartbeat
-    # timeout, then the heal it served) is waiting, not steps; nothing was redone
+    # goodput: group 0's stall while group 1 was missing (the step nobody took, the quorum that
+    # waited out the heartbeat timeout, then the heal it served) is waiting, not steps; nothing redone
     found = account(read_timeline(tmp_path / "group-0"))
-    assert found["waiting_s"] >= HEARTBEAT_MS / 1000 * 0.9 and found["steps_redone"] == 0, found
+    assert found["waiting_s"] >= max(gaps) - 0.5 and found["steps_redone"] == 0, (found, max(gaps))
     assert found["steps_kept_s"] + found["waiting_s"] < found["wall_s"]
 
 

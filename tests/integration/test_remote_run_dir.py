@@ -50,7 +50,10 @@ def test_ddp_run_killed_and_resumed_on_another_machine_is_bitwise_the_local_run(
     names = {path.rsplit("/", 1)[-1] for path in fs.ls("ddp/team/run-1")}
     assert {"config.json", "metrics.jsonl", "model.pt", "snapshots"} <= names and ".hold" not in names
     records = [json.loads(line) for line in fs.cat_file("ddp/team/run-1/metrics.jsonl").decode().splitlines()]
-    assert [r["step"] for r in records] == [32, 64, 96]
+    assert [(r["kind"], r["step"]) for r in records] == [("epoch", 32), ("epoch", 64), ("epoch", 96), ("goodput", 96)]
+    timeline = [json.loads(line) for line in fs.cat_file("ddp/team/run-1/timeline.jsonl").decode().splitlines()]
+    starts = [e["resumed_from"] for e in timeline if e["e"] == "start"]
+    assert len(starts) == 2 and starts[0] == 0 < starts[1], starts  # one timeline, across the machines
     snapshots = sorted(path.rsplit("/", 1)[-1] for path in fs.ls("ddp/team/run-1/snapshots"))
     assert snapshots == ["step-000000095.pt", "step-000000095.pt.manifest", "step-000000096.pt",
                          "step-000000096.pt.manifest"]  # --keep 2, each with its manifest
@@ -301,21 +304,21 @@ def test_a_store_still_down_at_the_end_is_one_line_and_a_later_sync_uploads_ever
     proxy.restore()
     again = ddptrain_cli(*OUTAGE_TRAIN, "--run-dir", url, env=env)  # the same command: the mirror's uploads first
     assert again.returncode == 0, again.stderr
-    assert again.stderr.startswith("ddptrain: uploaded 7 file(s) an earlier run on this machine could not "), \
-        again.stderr  # the newest 2 snapshots and their manifests, model.pt, config.json, metrics.jsonl
+    assert again.stderr.startswith("ddptrain: uploaded 8 file(s) an earlier run on this machine could not "), \
+        again.stderr  # the newest 2 snapshots and their manifests, model.pt, config.json, metrics.jsonl, timeline.jsonl
     assert "already finished" in again.stdout, again.stdout
     synced = ddptrain_cli("report", url, "--sync", "store", env=env)
     proxy.close()
     assert synced.returncode == 0, synced.stderr
-    assert synced.stdout.startswith(f"store: uploaded 3 file(s) the mirror held and {url} lacked"), \
-        synced.stdout  # the run files and model.pt again (they are small): nothing is newer
+    assert synced.stdout.startswith(f"store: uploaded 4 file(s) the mirror held and {url} lacked"), \
+        synced.stdout  # the run files (timeline.jsonl among them) and model.pt again (small): nothing is newer
     assert_same_weights(_remote_model(s3_server, "down/run"), load_model(local_runs / "ddp"), exact=True)
     names, _ = _stored_weights(s3_server, "down/run")
     assert names == ["step-000000095.pt", "step-000000095.pt.manifest", "step-000000096.pt",
                      "step-000000096.pt.manifest"]
     assert not (mirror / ".not-uploaded.json").exists()
     records = s3_server.filesystem().cat_file("down/run/metrics.jsonl").decode().splitlines()
-    assert [json.loads(r)["step"] for r in records] == [32, 64, 96]
+    assert [json.loads(r)["step"] for r in records] == [32, 64, 96, 96]  # (the last: the run's goodput)
 
 
 def test_fsdp_on_two_machines_uploads_each_machines_shards_from_its_own_mirror(s3_server, tmp_path, local_runs,

@@ -167,6 +167,7 @@ class ReplicaGroups:
         self.started = False
         self.in_step = False  # a quorum is held for the next step (joined, not yet committed)
         self.healed = False
+        self.committed = True  # the last step was taken by every member
         self.samples_skipped = 0
 
     def _manager(self, cfg: RunConfig, ctx: DistContext, state_dict: Callable[[], dict[str, Any]],
@@ -286,7 +287,7 @@ class ReplicaGroups:
     def commit(self, step: int, step_samples: int) -> bool:
         """Whether step ``step`` may be taken (every member agrees); counts what missing groups
         would have trained (``step_samples``: the step's samples over all N groups)."""
-        committed = bool(self.manager.should_commit())
+        committed = self.committed = bool(self.manager.should_commit())
         self.in_step = False
         if not committed:
             self.info(f"step {step}: not taken (a replica group failed during it); its samples are skipped")
