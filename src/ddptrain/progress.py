@@ -112,8 +112,8 @@ class Cadence:
 
     def last_step(self, steps_per_epoch: int) -> int:
         """The run's last global step (a map-style set's: its epochs have ``steps_per_epoch``)."""
-        by_epochs = self.max_epochs * steps_per_epoch
-        return by_epochs if self.max_steps is None else min(by_epochs, self.max_steps)
+        by_epochs = self.max_epochs * steps_per_epoch  # (infinite: a run counted in steps alone)
+        return int(by_epochs if self.max_steps is None else min(by_epochs, self.max_steps))
 
     def steps_reached(self) -> bool:
         return self.max_steps is not None and self.progress.global_step >= self.max_steps

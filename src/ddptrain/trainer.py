@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .comm import DistContext, apply_step_timeout, broadcast_object
+from .comm import DistContext, apply_step_timeout
 from .config import RunConfig
 from .console import say
 from .data import EvalBatches, MicroBatch, StreamBatches, is_stream, training_batches
@@ -245,7 +245,8 @@ class Trainer:
             if isinstance(self.batches, StreamBatches) and not self.batches.stateful and self.progress.step_in_epoch:
                 self.reporter.info(f"the training stream has no state_dict(): reading epoch {self.progress.epoch} again"
                                    f" up to step {self.progress.step_in_epoch} (slower, still exact; docs/data.md)")
-        if self.replicas is not None and self._ended_without_us():
+        if self.replicas is not None and self.replicas.ended_without_us(  # (torchft: map-style sets)
+                self.progress.global_step, self.cadence.last_step(self.steps_per_epoch or 0)):
             return "ended_elsewhere"
         resumed_at = None if self.start is None else (self.progress.global_step, self.progress.epoch)
         self.reporter.begin(self.cfg, resumed_at, self.ctx.world_size)
@@ -277,16 +278,6 @@ class Trainer:
                                f"{self.run_dir / BEST / 'model.pt'}")
         self._finish(exiting)
         return "finished"
-
-    def _ended_without_us(self) -> bool:
-        """torchft: the other replica groups took the job's last step while this group was away
-        (rank 0 asks the lighthouse, and says so; the group's ranks agree)."""
-        assert self.replicas is not None and self.steps_per_epoch is not None  # torchft: map-style sets
-        line = self.replicas.ended_without_us(self.progress.global_step, self.cadence.last_step(self.steps_per_epoch)) \
-            if self.ctx.is_main else None
-        if line:
-            self.reporter.info(f"ddptrain: {line}")
-        return bool(broadcast_object(line))
 
     def _run_epoch(self, epoch: int) -> str:
         """One pass over this rank's shard: ``"done"``, or ``"preempted"`` after a stop signal.

@@ -184,3 +184,12 @@ def test_an_evaluation_is_in_the_epochs_record_when_that_record_is_written_at_it
     assert action.evaluate
     stopped[0] = early
     assert c.epoch_record_follows(0, c.judged(action)) is follows
+
+
+def test_the_last_step_is_the_nearer_limit():
+    from ddptrain import RunConfig
+    from ddptrain.progress import Cadence, Progress
+
+    def last(**limits):
+        return Cadence(RunConfig(**limits), Progress(steps_per_epoch=32), evaluates=False).last_step(32)
+    assert (last(max_epochs=3), last(max_steps=50), last(max_epochs=1, max_steps=50)) == (96, 50, 32)

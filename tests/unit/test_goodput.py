@@ -73,4 +73,5 @@ def test_the_projection_young_daly_interval_is_the_best_and_replicas_lose_less()
     assert all(restart_goodput(mttf, best * f, snapshot, restart) < at_best for f in (0.5, 0.8, 1.25, 2))
     assert at_best == pytest.approx(1 - snapshot / best - (restart + best / 2) / mttf)
     assert restart_goodput(60, 600, snapshot, restart) == 0  # a failure before any snapshot: nothing kept
+    assert best_interval_s(mttf, snapshot, write_s=3600) == 3600  # no sooner than the last one is written
     assert replica_goodput(mttf, 8, stall_s=2, heal_s=restart) > at_best

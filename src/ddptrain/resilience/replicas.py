@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from ..comm import DistContext
+from ..comm import DistContext, broadcast_object
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..run_dir import RunDir
@@ -148,6 +148,7 @@ class ReplicaGroups:
         warnings.filterwarnings("ignore", "`isinstance\\(treespec, LeafSpec\\)` is deprecated", FutureWarning)
 
         self.groups, self.group, self.info = cfg.replica_groups, cfg.replica_group, info
+        self.is_main = ctx.is_main
         self.address = lighthouse_address(cfg)
         settings = json.dumps(cfg.math_fingerprint(ctx.world_size), sort_keys=True, default=str)
         self.replica_id = f"group{cfg.replica_group}.{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
@@ -186,11 +187,19 @@ class ReplicaGroups:
             init_sync=False,  # ddptrain seeds the initial weights: every group starts with the same
             hostname=os.environ.get("DDPTRAIN_FT_HOST") or socket.gethostname())
 
-    def ended_without_us(self, resumed_at: int, last_step: int) -> str | None:
-        """Rank 0, before this group's first quorum: the line that says the job ended, when the
-        lighthouse's last quorum is this job's other groups taking its last step (``last_step``)
-        while this group resumed at ``resumed_at``; None otherwise, or when the dashboard cannot
-        tell (then the group joins and waits as always)."""
+    def ended_without_us(self, resumed_at: int, last_step: int) -> bool:
+        """Collective, before this group's first quorum: whether the other groups took the job's
+        last step (``last_step``) while this group was away (it stands at ``resumed_at``). Rank 0
+        asks the lighthouse and says so in one line; the group's ranks agree."""
+        line = self._ended_line(resumed_at, last_step) if self.is_main else None
+        if line:
+            self.info(f"ddptrain: {line}")
+        return bool(broadcast_object(line))
+
+    def _ended_line(self, resumed_at: int, last_step: int) -> str | None:
+        """The line that says the job ended, when the lighthouse's last quorum is this job's other
+        groups taking its last step; None otherwise, or when the dashboard cannot tell (then the
+        group joins and waits as always)."""
         try:
             with urllib.request.urlopen(f"{self.address.rstrip('/')}/status", timeout=LIGHTHOUSE_CHECK_S) as page:
                 status = page.read().decode(errors="replace")
