@@ -12,7 +12,7 @@ Badput, after Google's goodput and Meta's ETTR: start-up (process start to the f
 restore included), steps redone (trained, then lost to a failure before a snapshot kept them:
 the next attempt resumed from an earlier step), snapshots (their blocking time), evaluations,
 waiting (a failed attempt's end: the failure's detection; torchft's quorum, where a failed
-group's stall and a heal show), the end (final snapshot and model.pt,
+group's stall and a heal show; a step nobody took), the end (the final snapshot and model.pt,
 up to the summary) and the time between attempts (a crash to the next start).
 """
 
