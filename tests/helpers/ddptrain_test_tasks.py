@@ -20,7 +20,7 @@ from torch.utils.data import Subset, TensorDataset
 from ddptrain import Task
 from ddptrain.tasks import digits_task, regression_task
 
-from kills import _first_attempt, _on_step, _rank, killable
+from kills import _first_attempt, _on_step, _rank, killable, killed_on_schedule
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 
@@ -379,23 +379,5 @@ def slow_steps(cfg) -> Task:
     return _on_step(regression_task(cfg), lambda n: time.sleep(seconds))
 
 
-def killed_twice(cfg) -> Task:
-    """``slow_steps``, killed in two attempts of an elastic restart: KILLS="RANK:N,RANK:N" (the
-    first attempt's rank and its N-th loss, then the second's), each kill waiting until the
-    snapshot before it (SAVE_EVERY steps) is committed in KILL_SNAPSHOTS (goodput's steps redone)."""
-    task = slow_steps(cfg)
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    kills = [tuple(int(x) for x in kill.split(":")) for kill in os.environ["KILLS"].split(",")]
-    if attempt >= len(kills):
-        return task
-    rank, step = kills[attempt]
-    folder, every = Path(os.environ["KILL_SNAPSHOTS"]), int(os.environ["SAVE_EVERY"])
-    resumed_from = 0 if attempt == 0 else every * ((kills[0][1] - 1) // every)
 
-    def maybe_kill(n: int) -> None:
-        if n == step and _rank() == rank:
-            wanted = (resumed_from + n - 1) // every * every  # the snapshot the next attempt resumes from
-            while not (folder / f"step-{wanted:09d}.pt").is_file():
-                time.sleep(0.01)
-            os.kill(os.getpid(), signal.SIGKILL)
-    return _on_step(task, maybe_kill)
+killed_twice = killed_on_schedule(slow_steps)

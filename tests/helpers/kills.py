@@ -1,5 +1,6 @@
 """How the tests' tasks fail on purpose: a hook before the n-th loss, a rank that SIGKILLs itself
-once (a marker file remembers, so the resumed attempt trains on), and waiting for a snapshot."""
+once (a marker file remembers, so the resumed attempt trains on), or in successive attempts on a
+schedule, and waiting for a snapshot."""
 
 from __future__ import annotations
 
@@ -69,3 +70,28 @@ def _wait_for_a_snapshot(folder: Path, timeout_s: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"no snapshot committed in {folder} after {timeout_s:.0f} s")
         time.sleep(0.02)
+
+
+def killed_on_schedule(factory):
+    """``factory``, killed in successive attempts of an elastic restart: KILLS="RANK:N,RANK:N" (the
+    first attempt's rank and its N-th loss, then the second's, ...), each kill waiting until the
+    snapshot the next attempt resumes from (every SAVE_EVERY steps) is in KILL_SNAPSHOTS."""
+    def build(cfg) -> Task:
+        task = factory(cfg)
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        kills = [tuple(int(x) for x in kill.split(":")) for kill in os.environ["KILLS"].split(",")]
+        if attempt >= len(kills):
+            return task
+        rank, step = kills[attempt]
+        folder, every = Path(os.environ["KILL_SNAPSHOTS"]), int(os.environ["SAVE_EVERY"])
+        resumed_from = 0 if attempt == 0 else every * ((kills[0][1] - 1) // every)
+
+        def maybe_kill(n: int) -> None:
+            if n == step and _rank() == rank:
+                wanted = (resumed_from + n - 1) // every * every  # the snapshot the next attempt resumes from
+                while not (folder / f"step-{wanted:09d}.pt").is_file():
+                    time.sleep(0.01)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return _on_step(task, maybe_kill)
+    build.__name__ = build.__qualname__ = f"killed_on_schedule_{factory.__name__}"
+    return build
