@@ -59,6 +59,9 @@ class CollectiveMarks:
     def phase(self, label: str) -> None:
         """What this rank is doing outside collectives (start-up stages)."""
 
+    def at_step(self, step: int) -> None:
+        """A training step begins."""
+
 
 @dataclass(frozen=True)
 class DistContext:

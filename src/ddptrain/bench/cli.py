@@ -38,10 +38,14 @@ from .jobs import JOBS, Job, final_loss
 # the small jobs, where a per-step cost shows, as does loop-grad-norm: the hand-written loop plus
 # ddptrain's per-step gradient norm (its ratio to loop is what grad_norm costs; ddptrain has no off
 # switch for it).
+# ddptrain-no-fr (asked for by name only): ddptrain with torch's Flight Recorder off, which ddptrain
+# turns on to name the collectives of a hang (resilience/flight.py): ddptrain's ratio to it is that cost.
 BASE = ("loop", "loop-grad-norm", "ddptrain", "ddptrain-skip", "ddptrain-ema")
 PEERS = ("lightning", "accelerate")
 PER_STEP = {"ddptrain-skip": ["--skip-nonfinite", "1"], "ddptrain-ema": ["--ema", "0.999"]}
-SMALL_ONLY = (*PER_STEP, "loop-grad-norm")  # the contenders that run on SKIP_JOBS only
+CONTENDER_ENV = {"ddptrain-no-fr": {"TORCH_FR_BUFFER_SIZE": "0"}}
+BY_NAME = tuple(CONTENDER_ENV)
+SMALL_ONLY = (*PER_STEP, *BY_NAME, "loop-grad-norm")  # the contenders that run on SKIP_JOBS only
 SKIP_JOBS = ("tutorial", "mlp")  # the jobs the per-step variants run on
 DEFAULT_EPOCHS = {"tutorial": 60, "mlp": 3, "gpt2": 10, "fsdp": 2}  # E: the longer command's extra epochs
 
@@ -72,8 +76,8 @@ def run_once(contender: str, job: Job, nproc: int, epochs: int, env: dict[str, s
             steps = epochs * job.steps_per_epoch(nproc, smoke=bool(env.get("DDPTRAIN_BENCH_SMOKE")))
             started = time.perf_counter()
             done = subprocess.run(command(contender, job, nproc, epochs, out), capture_output=True, text=True,
-                                  env={**env, "DDPTRAIN_BENCH_JOB": job.name, "DDPTRAIN_BENCH_CLOCK": str(clock),
-                                       "DDPTRAIN_BENCH_STEPS": str(steps)})
+                                  env={**env, **CONTENDER_ENV.get(contender, {}), "DDPTRAIN_BENCH_JOB": job.name,
+                                       "DDPTRAIN_BENCH_CLOCK": str(clock), "DDPTRAIN_BENCH_STEPS": str(steps)})
             wall = time.perf_counter() - started
             if done.returncode == 0:
                 ticks = json.loads(clock.read_text()) if clock.exists() else []
@@ -243,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", action="store_true", help="add Lightning and Accelerate rows (pip install "
                         "'ddptrain[bench]')")
     parser.add_argument("--contenders", default=None, help="comma-separated subset of loop, loop-grad-norm, "
-                        "ddptrain, ddptrain-skip, ddptrain-ema (and lightning, accelerate with --peers); default: all")
+                        "ddptrain, ddptrain-skip, ddptrain-ema (and lightning, accelerate with --peers; "
+                        "ddptrain-no-fr, by name only); default: all but ddptrain-no-fr")
     parser.add_argument("--smoke", action="store_true", help="tiny data, 1-epoch commands only: checks the plumbing")
     parser.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png")
     parser.add_argument("--floor", action="store_true", help="instead: the start-up floor of a CPU job here (import "
@@ -276,10 +281,10 @@ def main(argv: list[str] | None = None) -> int:
         contenders += [peer for peer in PEERS if peer not in missing]
     if args.contenders:
         wanted = args.contenders.split(",")
-        unknown = sorted(set(wanted) - set(BASE) - set(PEERS))
+        unknown = sorted(set(wanted) - set(BASE) - set(PEERS) - set(BY_NAME))
         if unknown:
             parser.error(f"--contenders: unknown {', '.join(unknown)}")
-        contenders = [c for c in contenders if c in wanted]
+        contenders = [c for c in (*contenders, *BY_NAME) if c in wanted]
     print(f"ddptrain bench: {args.reps} rep(s) of {jobs} at {args.nproc} ranks, contenders {contenders}, "
           f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, {os.cpu_count()} CPUs", flush=True)
     runs = measure(contenders, jobs, args.nproc, args.reps, epochs, env, log=lambda m: print(m, flush=True))

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..comm import BACKSTOP_EXTRA_S, CollectiveMarks, DistContext
 from ..errors import ConfigError
+from ..resilience import flight
 from .environments import Environment, TorchrunEnvironment, detect
 
 SETTLE_S = 0.1  # seconds gloo's threads get to let go of the last collective (settle_gloo)
@@ -154,6 +155,7 @@ def joined(env: Environment, device_kind: str, backend: str, timeout_s: float, s
         yield DistContext(env.rank, env.world_size, env.local_rank, env.local_world_size, device,
                           dist.get_backend(), watchdog)
         return
+    flight.enable()  # the watchdog names each rank's collective when they hang
     with watchdog.waiting("start-up: joining the process group"):
         dist.init_process_group(
             backend=backend, store=dist.PrefixStore("default_pg", store), rank=env.rank,

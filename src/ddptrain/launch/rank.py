@@ -32,10 +32,11 @@ from ..config import RunConfig
 from ..console import native_stderr_to, say
 from ..data import is_stream
 from ..errors import ConfigError, PeerFailed, PeerStuck
-from ..resilience.failures import hard_exit, record_error
+from ..resilience import flight
+from ..resilience.failures import COLLECTIVE_NOTE, hard_exit, lost_peer, record_error
 from ..resilience.hold import RunDirHold, job_id
 from ..resilience.stop_signals import PREEMPTED_EXIT_CODE
-from ..resilience.watchdog import NullWatchdog, Watchdog
+from ..resilience.watchdog import PERIOD_S, NullWatchdog, Watchdog
 from ..run_dir import RunDir
 from ..tasks.protocol import Task, TaskFactory
 from ..trainer import Trainer
@@ -190,17 +191,37 @@ def _run_rank(cfg: RunConfig, factory: TaskFactory | None, env: Environment, hom
     except BaseException as error:
         if watchdog.acting.is_set():  # the watchdog thread reports a verdict (a hang) and ends the process
             watchdog.exit_process(1)
-        if not watchdog.report_failure(error) and not isinstance(error, PeerFailed):
-            # Another rank failed first; this one only felt it (a closed connection, say).
-            raise PeerFailed(f"rank {env.rank} stopped after another rank failed: "
-                             f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
-        raise
+        reported = as_reported(error, env.rank, watchdog)
+        if lost_peer(error):
+            # The launcher may stop this rank any moment now: its report goes first. (A peer that
+            # posted its stack for a hang's verdict and left breaks this rank's collective too:
+            # the watchdog thread sees the verdict within a period and takes over.)
+            record_error(reported)
+            if watchdog.acting.wait(2 * PERIOD_S):
+                watchdog.exit_process(1)
+        if reported is error:
+            raise
+        raise reported from error
     finally:
         if _hold is not None:  # the job's run dir is free again (after a failure: before the exit)
             _hold.release()
     watchdog.stop()
     pid_file(run_dir, env.rank).unlink(missing_ok=True)
     return status, outcome_message(status, cfg, reached)
+
+
+def as_reported(error: BaseException, rank: int, watchdog: Watchdog) -> BaseException:
+    """The error this rank reports, noted with the collective it was in (flight.py). A rank
+    that was not the first of the job to fail only felt another's failure (a closed
+    connection, say): PeerFailed says so."""
+    collective = flight.last_entered()
+    if collective is not None:
+        error.add_note(f"{COLLECTIVE_NOTE}{collective.describe()}")
+    if watchdog.report_failure(error) or isinstance(error, PeerFailed):
+        return error
+    where = f" (in {collective.describe()})" if collective is not None else ""
+    return PeerFailed(f"rank {rank} stopped after another rank failed{where}: "
+                      f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
 
 
 def train(task: Task, cfg: RunConfig, ctx: DistContext) -> tuple[str, tuple[int, int]]:

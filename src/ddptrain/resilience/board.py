@@ -19,25 +19,35 @@ from typing import Any
 import torch.distributed as dist
 
 from ..comm import round_prefix
+from .flight import Collective
 
 LINGER_S = 2.0  # the store's host waits this long at most for the other ranks to leave first
 
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """What a rank publishes: how many collectives it entered, whether it is inside one, where."""
+    """What a rank publishes: how many of ddptrain's collectives it entered, whether it is inside
+    one, where, and the collective it is in by torch's Flight Recorder (flight.py), which sees
+    the task's own collectives too."""
 
     arrivals: int
     inside: bool
     where: str
+    collective: Collective | None = None
+
+    @property
+    def waits(self) -> bool:
+        """Inside a collective, by ddptrain's marks or by the recorder."""
+        return self.inside or self.collective is not None
 
     def encode(self) -> str:
-        return f"{self.arrivals}|{int(self.inside)}|{self.where}"
+        collective = self.collective.encode() if self.collective else ""
+        return f"{self.arrivals}|{int(self.inside)}|{collective}|{self.where}"
 
     @classmethod
     def decode(cls, text: str) -> Heartbeat:
-        arrivals, inside, where = text.split("|", 2)
-        return cls(int(arrivals), inside == "1", where)
+        arrivals, inside, collective, where = text.split("|", 3)
+        return cls(int(arrivals), inside == "1", where, Collective.decode(collective))
 
 
 class Board:
@@ -82,14 +92,25 @@ class Board:
 
     def stacks(self, ranks: list[int], wait_s: float) -> dict[int, str | None]:
         """Each rank's posted stack, waiting up to ``wait_s`` in all (None: it did not answer)."""
-        stacks: dict[int, str | None] = {}
-        deadline = time.monotonic() + wait_s
+        return self._posted("stack", ranks, time.monotonic() + wait_s)
+
+    def post_collectives(self, recent: list[Collective]) -> None:
+        self.store.set(self._key(f"collectives/{self.rank}"), "\n".join(c.encode() for c in recent))
+
+    def collectives(self, wait_s: float) -> dict[int, list[Collective]]:
+        """Every rank's recent collectives (flight.recent) that arrived within ``wait_s``."""
+        posted = self._posted("collectives", list(range(self.world_size)), time.monotonic() + wait_s)
+        return {rank: [c for c in map(Collective.decode, text.splitlines()) if c is not None]
+                for rank, text in posted.items() if text is not None}
+
+    def _posted(self, kind: str, ranks: list[int], deadline: float) -> dict[int, str | None]:
+        found: dict[int, str | None] = {}
         for rank in ranks:
-            key = self._key(f"stack/{rank}")
+            key = self._key(f"{kind}/{rank}")
             while not self.store.check([key]) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            stacks[rank] = self.store.get(key).decode() if self.store.check([key]) else None
-        return stacks
+            found[rank] = self.store.get(key).decode() if self.store.check([key]) else None
+        return found
 
     # --- leaving ---------------------------------------------------------------------------
     def leave(self, wait_for_others: bool) -> None:

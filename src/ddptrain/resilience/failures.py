@@ -33,6 +33,7 @@ from ..errors import (
     StoreBehind,
     TrainingFailed,
 )
+from .aborts import last_words
 
 # A rank's error arrives as text ("ExceptionType: message", torch's error file): matched by
 # the classes' names.
@@ -133,6 +134,11 @@ class RankError:
         return any(words in self.message for words in LOST_PEER)
 
 
+def lost_peer(error: BaseException) -> bool:
+    """The error is this rank feeling a peer's end (its connection closed), not its own."""
+    return any(words in str(error) for words in LOST_PEER)
+
+
 def read_error_files(attempt_dir: Path) -> dict[int, RankError]:
     """rank -> its error, from one attempt's ``<rank>/error.json`` files."""
     found = {}
@@ -179,8 +185,7 @@ def failure_report(failure: Any, nproc: int, run_dir: Path) -> tuple[str, int]:
         return _hang_report(errors, run_dir), 1
     cause = root_cause(errors, killed)
     if isinstance(cause, int):
-        lines = [f"ddptrain: rank {cause} was killed by {killed[cause]} (out of memory, or killed "
-                 "from outside); no error report"]
+        lines = _killed_report(cause, killed[cause], run_dir, errors)
     elif cause is None:
         return (f"ddptrain: rank {reported.local_rank} failed (exit code {reported.exitcode}); "
                 "no error report\n" + str(failure)), 1
@@ -203,17 +208,35 @@ def failure_report(failure: Any, nproc: int, run_dir: Path) -> tuple[str, int]:
     return "\n".join(lines), 1
 
 
+def _killed_report(rank: int, signal_name: str, run_dir: Path, errors: dict[int, RankError]) -> list[str]:
+    """A rank killed by a signal: what its native stderr says (a C++ abort's reason, the
+    collective it was in, the user's frames: aborts.py), else the usual suspects. The step is
+    the other ranks' (a collective mismatch stops every rank in the same step)."""
+    words = last_words(run_dir / "logs" / f"rank-{rank}.stderr", is_users)
+    frames = [f"  {frame}" for frame in words.frames] if words else []
+    if words is None or not words.reason:
+        return [f"ddptrain: rank {rank} was killed by {signal_name} (out of memory, or killed from outside); "
+                "no error report", *frames]
+    steps = {_step_of(e.traceback) for e in errors.values()} - {None}
+    at = f" in step {steps.pop()}" if len(steps) == 1 else ""
+    call = f" in {words.call}" if words.call else ""
+    return [f"ddptrain: rank {rank} aborted ({signal_name}){at}{call}: {words.reason}", *frames]
+
+
 def _what_rank_did(rank: int, errors: dict[int, RankError], cause: int) -> str:
     if rank in errors and errors[rank].kind in SECONDARY:
         return errors[rank].text.split(": ", 1)[0]
     if rank in errors and errors[rank].lost_peer:  # gloo's own words for it: "Connection closed by peer"
-        return f"rank {rank} stopped after rank {cause} failed (it lost its connection to it)"
+        note = re.search(re.escape(COLLECTIVE_NOTE) + r"(.+)", errors[rank].traceback)
+        where = f" in {note.group(1).strip()}" if note else ""
+        return f"rank {rank} stopped after rank {cause} failed (it lost its connection to it{where})"
     if rank in errors and errors[rank].kind != TERMINATED:
         return f"rank {rank}: {errors[rank].text.splitlines()[0][:300]}"
     return f"rank {rank} stopped by the launcher (it had no error of its own)"
 
 
 STEP_NOTE = "ddptrain: in step "  # added to an exception that leaves the training loop (Trainer)
+COLLECTIVE_NOTE = "ddptrain: in collective "  # added to a failing rank's exception (launch/rank.py)
 USER_FRAMES = 3  # the innermost frames of the user's own code shown with a failure
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<name>.+)$')
 
@@ -222,10 +245,16 @@ def short_report(cause: RankError) -> list[str]:
     """A rank's exception in a few lines: the rank, the step and the exception's own line, then
     the innermost frames of the user's code (file:line in function: source). The full traceback
     stays in the rank's error file (named after these lines)."""
-    step = re.search(re.escape(STEP_NOTE) + r"(\d+)", cause.traceback)
-    at = f" in step {step.group(1)}" if step else ""
+    step = _step_of(cause.traceback)
+    at = f" in step {step}" if step else ""
     lines = [f"ddptrain: rank {cause.rank} failed{at}: {original_message(cause.message)}"]
     return lines + [f"  {frame}" for frame in user_frames(cause.traceback)[-USER_FRAMES:]]
+
+
+def _step_of(traceback: str) -> str | None:
+    """The step an exception left the training loop in (the Trainer's note on it)."""
+    found = re.search(re.escape(STEP_NOTE) + r"(\d+)", traceback)
+    return found.group(1) if found else None
 
 
 def original_message(message: str) -> str:
@@ -245,7 +274,7 @@ def user_frames(traceback: str) -> list[str]:
     lines = traceback.splitlines()
     for index, line in enumerate(lines):
         match = _FRAME.match(line)
-        if not match or not _is_users(match["path"]):
+        if not match or not is_users(match["path"]):
             continue
         following = lines[index + 1] if index + 1 < len(lines) else ""
         is_source = following.strip() and not _FRAME.match(following) and not following.strip().startswith(("^", "~"))
@@ -254,12 +283,15 @@ def user_frames(traceback: str) -> list[str]:
     return frames
 
 
-def _is_users(path: str) -> bool:
+def is_users(path: str) -> bool:
+    """The file is the user's code: not Python's, torch's, ddptrain's or an installed package's."""
     import sysconfig
 
     if path.startswith("<") or "site-packages" in path or "dist-packages" in path:
         return False
-    library = (sysconfig.get_paths()["stdlib"], str(Path(__file__).resolve().parents[1]))
+    # Python's library, ddptrain, and the environment's scripts (bin/ddptrain, bin/torchrun)
+    paths = sysconfig.get_paths()
+    library = (paths["stdlib"], str(Path(__file__).resolve().parents[1]), paths["scripts"])
     return not any(path.startswith(folder) for folder in library)
 
 

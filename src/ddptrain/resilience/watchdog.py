@@ -36,7 +36,8 @@ from ..console import say
 from ..errors import ConfigError, PeerFailed, PeerStuck, RankStuck
 from .board import Board, Heartbeat
 from .failures import hard_exit, record_error
-from .hangs import dump_stacks, hang_summary, judge_hang
+from .flight import in_flight, last_entered, recent
+from .hangs import dump_stacks, hang_summary, judge_hang, refine
 
 PERIOD_S = 0.5  # how often each rank publishes and looks for a verdict
 STACK_WAIT_S = 5.0  # how long the judge waits for the culprits' stacks
@@ -90,6 +91,10 @@ class Watchdog(CollectiveMarks):
         """What this rank is doing outside collectives (start-up stages)."""
         self.label, self.step = label, None
 
+    def at_step(self, step: int) -> None:
+        """A training step begins (where a hang in the task's own collectives happened)."""
+        self.label, self.step = f"step {step}", None
+
     # --- life cycle ------------------------------------------------------------------------
     def start(self) -> Watchdog:
         if self.world_size > 1:
@@ -137,7 +142,8 @@ class Watchdog(CollectiveMarks):
         while not self.finished.wait(self.period_s):
             try:
                 beat = Heartbeat(self.arrivals, self.inside,
-                                 self.label if self.step is None else f"{self.label} (step {self.step})")
+                                 self.label if self.step is None else f"{self.label} (step {self.step})",
+                                 in_flight())
                 if beat != published:
                     board.publish(beat)
                     published = beat
@@ -167,7 +173,9 @@ class Watchdog(CollectiveMarks):
             return  # this rank hit the same error and returned it
         what = "reported a configuration error" if verdict["kind"] == "config_error" else "failed"
         self.acting.set()
-        record_error(PeerFailed(f"rank {self.rank} stopped because rank {verdict['rank']} {what}: "
+        collective = last_entered()
+        where = f" (in {collective.describe()})" if collective is not None else ""
+        record_error(PeerFailed(f"rank {self.rank} stopped because rank {verdict['rank']} {what}{where}: "
                                 f"{verdict['message']}"))
         self.exit_process(1)
 
@@ -189,8 +197,10 @@ class Watchdog(CollectiveMarks):
         assert self.board is not None
         stacks_dir = self.run_dir / "logs" / "stacks" if self.run_dir is not None else None
         stack = dump_stacks(stacks_dir, self.rank, self.main_thread)
+        self.board.post_collectives(recent())
         self.board.post_stack(stack)
         if self.rank == 0:
+            verdict = refine(verdict, self.board.collectives(STACK_WAIT_S))
             summary = hang_summary(verdict, self.board.stacks(verdict["culprits"], STACK_WAIT_S), self.timeout_s,
                                    stacks_dir)
             if self.run_dir is not None:
@@ -198,7 +208,10 @@ class Watchdog(CollectiveMarks):
                 (self.run_dir / "logs" / "hang.txt").write_text(summary + "\n")
             if not os.environ.get("DDPTRAIN_LOCAL_LAUNCH"):  # ddptrain's own launcher prints it
                 say(summary, sys.stderr)
-        if self.rank in verdict["culprits"]:
+        if self.rank in verdict["culprits"] and verdict.get("desync"):
+            record_error(RankStuck(f"rank {self.rank}'s collective does not match the others' at "
+                                   f"{verdict['label']}: {verdict['desync']}; it was in:\n{stack}"))
+        elif self.rank in verdict["culprits"]:
             record_error(RankStuck(f"rank {self.rank} did not reach {verdict['label']} within --timeout "
                                    f"{self.timeout_s:g} s; it was in:\n{stack}"))
         else:
