@@ -3,11 +3,11 @@ collectives say about it (a desync: ranks in different collectives).
 
 torch records every collective a process group runs (its op, sequence number, tensor shapes
 and dtypes, process group) in a ring buffer when ``TORCH_FR_BUFFER_SIZE`` is set; ddptrain
-sets it before joining the group. The watchdog thread reads the buffer once a period (about
-a millisecond, off the step's path) and publishes the oldest collective this rank entered
-and has not left, so a collective the task calls itself (``dist.all_reduce`` in a loss) is
-seen as well as ddptrain's own. On gloo an entry is ``retired`` once its work completes; on
-NCCL its ``state`` becomes ``completed`` (untested here: no GPU).
+sets it before joining the group. When a rank has not moved for a period, its watchdog thread
+reads the buffer (about a millisecond, off the step's path) and publishes the oldest collective
+this rank entered and has not left, so a collective the task calls itself (``dist.all_reduce``
+in a loss) is seen as well as ddptrain's own. On gloo an entry is ``retired`` once its work
+completes; on NCCL its ``state`` becomes ``completed`` (untested here: no GPU).
 
 When the ranks hang, ``classify`` compares their collectives: a rank that is not in one
 (it never arrived), ranks at another sequence number than the rest (one called a collective

@@ -137,13 +137,17 @@ class Watchdog(CollectiveMarks):
 
     # --- the thread ------------------------------------------------------------------------
     def _run(self) -> None:
-        board, published = self.board, None
+        board, published, marks = self.board, None, None
         assert board is not None
         while not self.finished.wait(self.period_s):
             try:
+                # The recorder is read (about a millisecond) only when the rank has not moved for a
+                # period: a rank that takes steps faster than that never pays for it.
+                now = (self.arrivals, self.inside, self.label, self.step)
+                still, marks = now == marks, now
                 beat = Heartbeat(self.arrivals, self.inside,
                                  self.label if self.step is None else f"{self.label} (step {self.step})",
-                                 in_flight())
+                                 in_flight() if still else None)
                 if beat != published:
                     board.publish(beat)
                     published = beat
