@@ -186,6 +186,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines.append("ddptrain-skip: ddptrain with --skip-nonfinite 1 (a finiteness check and agreement every step); "
                  "ddptrain-ema: ddptrain with --ema 0.999 (the weights' average updated every step); "
                  "loop-grad-norm: the loop plus ddptrain's per-step gradient norm (what grad_norm costs)")
+    if any(r["contender"] == "ddptrain-no-fr" for r in rows):
+        lines.append("ddptrain-no-fr: ddptrain with torch's Flight Recorder off (TORCH_FR_BUFFER_SIZE=0); ddptrain "
+                     "turns it on to name a hang's collectives")
     return "\n".join(lines)
 
 

@@ -1,0 +1,267 @@
+"""The control plane at N ranks: ddptrain's watchdogs (heartbeats, verdict polls, rank 0's
+judge) against one real TCPStore, with N simulated ranks on this machine.
+
+Each simulated rank is ddptrain's own ``Watchdog`` (resilience/watchdog.py) with its own store
+connection and thread, as in a real rank; only the training is simulated: a driver thread per
+worker process marks every rank's gradient all-reduce (``arrive``/``depart``) every
+``--step-s``. The ranks live as threads in ``--workers`` processes; the store's server runs in
+a process of its own, so its CPU time and memory are its own.
+
+Per N, three phases:
+1. start-up: every rank connects to the store (``Board``: one client, its info key) and
+   publishes its first heartbeat;
+2. steady: ``--steady-s`` seconds of steps; the store operations the watchdogs issue (counted
+   on their clients), the store server's CPU, and the latency of a probe client's ``set`` and
+   ``get`` (as a heartbeat sees the store) every 20 ms;
+3. a hang: the last rank stops taking steps while every other rank enters the next all-reduce;
+   the time until rank 0's judge posts its verdict (the goal: ``--timeout`` + 2 periods), and
+   until every worker process has acted on it and exited (the verdict's propagation).
+
+Then the store's capacity: ``--capacity-clients`` threads issuing ``set`` as fast as they can,
+so the steady load reads as a fraction of what the store serves here.
+
+    python benchmarks/control_plane.py --ranks 256,1024,4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+HOST = "127.0.0.1"
+LABEL = "the gradient all-reduce"
+HANG_STEP = 1_000_000  # the step every simulated rank stands at when the hang begins
+
+
+# --- the store server (a process of its own) -------------------------------------------------
+def serve(port: int) -> None:
+    import torch.distributed as dist
+
+    store = dist.TCPStore(HOST, port, None, True, wait_for_workers=False, use_libuv=True)
+    print(json.dumps({"libuv": bool(getattr(store, "libuvBackend", False))}), flush=True)
+    while True:
+        time.sleep(3600)
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+# --- a worker: some of the simulated ranks ---------------------------------------------------
+class Counting:
+    """A store client that counts the operations issued through it (the watchdog's own)."""
+
+    def __init__(self, store: object) -> None:
+        self._store, self.ops = store, 0
+
+    def __getattr__(self, name: str) -> object:
+        method = getattr(self._store, name)
+
+        def counted(*args: object, **kwargs: object) -> object:
+            self.ops += 1
+            return method(*args, **kwargs)
+        return counted
+
+
+def work(port: int, world: int, first: int, last: int, timeout: float, step_s: float) -> None:
+    from ddptrain.resilience.watchdog import Watchdog
+
+    say = lambda *words: print(*words, flush=True)  # noqa: E731 - the orchestrator reads lines
+    say("ready", time.time())
+    def start(rank: int) -> Watchdog:  # every real rank connects at once: so do these, 64 at a time
+        env = SimpleNamespace(rank=rank, world_size=world, master_addr=HOST, master_port=port)
+        dog = Watchdog(env, timeout, run_dir=None).start()
+        dog.board.store = Counting(dog.board.store)  # type: ignore[union-attr]  # started: it has a board
+        return dog
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        dogs = list(pool.map(start, range(first, last)))
+    say("connected", time.time())
+    hang = threading.Event()
+
+    def drive() -> None:
+        step = 0
+        while not hang.wait(step_s):
+            step += 1
+            for dog in dogs:
+                dog.arrive(LABEL, step)
+                dog.depart()
+        # The hang: every rank but the last enters the next all-reduce and stays. The workers' drivers
+        # started apart, so their counts of steps differ: real ranks are in step, so these are put in step.
+        for dog in dogs:
+            dog.arrivals = HANG_STEP
+            if dog.rank != world - 1:
+                dog.arrive(LABEL, HANG_STEP + 1)
+    threading.Thread(target=drive, daemon=True).start()
+    for line in sys.stdin:
+        if line.startswith("count"):
+            say("count", sum(dog.board.store.ops for dog in dogs))  # type: ignore[union-attr]  # counting
+        elif line.startswith("hang"):
+            hang.set()
+    time.sleep(3600)  # a verdict's watchdog ends this process
+
+
+# --- the orchestrator ------------------------------------------------------------------------
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        return probe.getsockname()[1]
+
+
+def probe_latency(store: object, seconds: float) -> list[float]:
+    """Milliseconds of a ``set`` and a ``get`` by one more client, every 20 ms."""
+    found, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        started = time.perf_counter()
+        store.set("bench/probe", "x")  # type: ignore[attr-defined]
+        store.get("bench/probe")  # type: ignore[attr-defined]
+        found.append((time.perf_counter() - started) * 1000 / 2)
+        time.sleep(0.02)
+    return found
+
+
+def capacity(port: int, clients: int, seconds: float) -> float:
+    """Store operations a second that ``clients`` threads get through, each on its own client."""
+    import torch.distributed as dist
+
+    counts = [0] * clients
+    stop = time.monotonic() + seconds
+
+    def hammer(i: int) -> None:
+        store = dist.TCPStore(HOST, port, None, False)
+        while time.monotonic() < stop:
+            store.set(f"bench/cap/{i}", "x" * 40)
+            counts[i] += 1
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(clients)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(counts) / (time.monotonic() - started)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def measure(n: int, workers: int, timeout: float, step_s: float, steady_s: float) -> dict[str, float | int | bool]:
+    import torch.distributed as dist
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, __file__, "--serve", str(port)], stdout=subprocess.PIPE, text=True)
+    libuv = json.loads(server.stdout.readline())["libuv"]  # type: ignore[union-attr]
+    client = dist.TCPStore(HOST, port, None, False)
+    cpu0 = cpu_seconds(server.pid)
+    bounds = [n * w // workers for w in range(workers + 1)]
+    procs = [subprocess.Popen([sys.executable, __file__, "--work", str(port), str(n), str(bounds[w]), str(bounds[w + 1]),
+                               str(timeout), str(step_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for w in range(workers) if bounds[w] < bounds[w + 1]]
+    ready = [float(p.stdout.readline().split()[1]) for p in procs]  # type: ignore[union-attr]
+    connected = [float(p.stdout.readline().split()[1]) for p in procs]  # type: ignore[union-attr]
+    keys = [f"ddptrain/hb/{r}" for r in range(n)]
+    while not client.check(keys):
+        time.sleep(0.02)
+    startup = {"connect_s": max(connected) - max(ready), "first_beats_s": time.time() - max(ready)}
+
+    def count() -> int:
+        for p in procs:
+            p.stdin.write("count\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
+        return sum(int(p.stdout.readline().split()[1]) for p in procs)  # type: ignore[union-attr]
+    ops0, cpu1, t0 = count(), cpu_seconds(server.pid), time.monotonic()
+    latencies = probe_latency(client, steady_s)
+    ops1, cpu2, t1 = count(), cpu_seconds(server.pid), time.monotonic()
+    stopped = time.monotonic()
+    for p in procs:
+        p.stdin.write("hang\n")  # type: ignore[union-attr]
+        p.stdin.flush()  # type: ignore[union-attr]
+    while not client.check(["ddptrain/verdict"]):
+        time.sleep(0.01)
+    named_s = time.monotonic() - stopped
+    verdict = json.loads(client.get("ddptrain/verdict"))
+    for p in procs:
+        p.wait(timeout=120)
+    propagated_s = time.monotonic() - stopped - named_s
+    rss = rss_mib(server.pid)
+    server.kill()
+    server.wait()
+    return {"ranks": n, "libuv": libuv, **startup, "ops_per_s": (ops1 - ops0) / (t1 - t0),
+            "server_cpu_pct": 100 * (cpu2 - cpu1) / (t1 - t0), "server_cpu_startup_s": cpu1 - cpu0,
+            "server_rss_mib": rss, "latency_p50_ms": statistics.median(latencies),
+            "latency_p99_ms": percentile(latencies, 0.99), "named_s": named_s,
+            "named_right": verdict.get("culprits") == [n - 1], "propagated_s": propagated_s}
+
+
+def table(rows: list[dict], capacity_ops: float, timeout: float, period: float) -> str:
+    head = (f"{'ranks':>6} {'connect s':>9} {'1st beats s':>11} {'ops/s':>8} {'of capacity':>11} {'server CPU':>10} "
+            f"{'RSS MiB':>7} {'p50 ms':>7} {'p99 ms':>7} {'named s':>8} {'right':>5} {'exit s':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['ranks']:>6} {r['connect_s']:>9.2f} {r['first_beats_s']:>11.2f} {r['ops_per_s']:>8,.0f} "
+                     f"{r['ops_per_s'] / capacity_ops:>10.1%} {r['server_cpu_pct']:>9.0f}% {r['server_rss_mib']:>7.0f} "
+                     f"{r['latency_p50_ms']:>7.2f} {r['latency_p99_ms']:>7.2f} {r['named_s']:>8.2f} "
+                     f"{'yes' if r['named_right'] else 'NO':>5} {r['propagated_s']:>7.2f}")
+    lines.append(f"store capacity here: {capacity_ops:,.0f} set/s; libuv backend: "
+                 f"{'yes' if all(r['libuv'] for r in rows) else 'no'}; goal for 'named s': --timeout {timeout:g} "
+                 f"+ 2 periods = {timeout + 2 * period:g} s")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--serve"]:
+        serve(int(sys.argv[2]))
+        return 0
+    if sys.argv[1:2] == ["--work"]:
+        port, world, first, last = map(int, sys.argv[2:6])
+        work(port, world, first, last, float(sys.argv[6]), float(sys.argv[7]))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", default="256,1024,4096", help="comma-separated N (default 256,1024,4096)")
+    parser.add_argument("--workers", type=int, default=8, help="processes holding the simulated ranks (default 8)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="the watchdog's --timeout (default 5)")
+    parser.add_argument("--step-s", type=float, default=0.1, help="a simulated step's time (default 0.1)")
+    parser.add_argument("--steady-s", type=float, default=10.0, help="the steady phase's length (default 10)")
+    parser.add_argument("--capacity-clients", type=int, default=16, help="clients measuring the store's capacity")
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args()
+    from ddptrain.resilience.watchdog import PERIOD_S
+
+    rows = []
+    for n in map(int, args.ranks.split(",")):
+        rows.append(measure(n, args.workers, args.timeout, args.step_s, args.steady_s))
+        print(json.dumps(rows[-1]), flush=True)
+    port = free_port()
+    server = subprocess.Popen([sys.executable, __file__, "--serve", str(port)], stdout=subprocess.PIPE, text=True)
+    server.stdout.readline()  # type: ignore[union-attr]
+    capacity_ops = capacity(port, args.capacity_clients, 3.0)
+    server.kill()
+    print()
+    print(table(rows, capacity_ops, args.timeout, PERIOD_S))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"rows": rows, "capacity_ops": capacity_ops, "args": vars(args)}, out, indent=2)
+    return 0 if all(r["named_right"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
