@@ -4,6 +4,7 @@ measures nothing; the benchmark itself is a script, not a timed test)."""
 import importlib.util
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -47,13 +48,13 @@ def test_bench_with_peers_prints_one_table_of_the_same_jobs(tmp_path):
 def test_bench_names_missing_peers_in_one_line_and_runs_the_per_step_variants(tmp_path):
     hide = "import sys; sys.modules['lightning'] = sys.modules['accelerate'] = None; from ddptrain.cli import main; "
     result = run([str(BIN / "python"), "-c", hide + "sys.exit(main(sys.argv[1:]))", "bench", "--smoke", "--peers",
-                  "--reps", "1", "--jobs", "tutorial", "--contenders", "loop-grad-norm,ddptrain-skip", "--out",
-                  str(tmp_path)], timeout=300)
+                  "--reps", "1", "--jobs", "tutorial", "--contenders", "loop-grad-norm,ddptrain-skip,ddptrain-no-fr",
+                  "--out", str(tmp_path)], timeout=300)
     assert_ok(result)
     missing = [line for line in result.stdout.splitlines() if "not installed" in line]
     assert missing == ["ddptrain bench: lightning and accelerate not installed (pip install 'ddptrain[bench]'): "
                        "their rows are left out"]
-    assert sorted(r[1] for r in _table(result.stdout)) == ["ddptrain-skip", "loop-grad-norm"]
+    assert sorted(r[1] for r in _table(result.stdout)) == ["ddptrain-no-fr", "ddptrain-skip", "loop-grad-norm"]
     assert "tutorial: every contender ended at the same loss: yes" in result.stdout
 
 
@@ -67,3 +68,17 @@ def test_bench_floor_prints_both_floors_and_ddptrains_1_epoch_command_side_by_si
     assert float(rows["training floor"][-2]) > 1.0 and float(rows["ddptrain 1 epoch"][-2]) > 1.0, result.stdout
     walls = json.loads((tmp_path / "floor.json").read_text())["walls_s"]
     assert [len(walls[name]) for name in ("floor", "training floor", "ddptrain 1 epoch")] == [2, 2, 2]
+
+
+@pytest.mark.slow
+def test_the_control_plane_benchmark_at_256_simulated_ranks_names_the_hung_rank(tmp_path):
+    """benchmarks/control_plane.py's smoke run: 256 of ddptrain's watchdogs on one TCPStore take
+    steps, the last one stops, rank 0's judge names it (the figures are the script's business)."""
+    script = Path(__file__).parents[2] / "benchmarks" / "control_plane.py"
+    result = run([str(BIN / "python"), str(script), "--ranks", "256", "--workers", "4", "--steady-s", "1",
+                  "--timeout", "2", "--capacity-clients", "4", "--json", str(tmp_path / "cp.json")], timeout=300)
+    assert_ok(result)
+    (row,) = json.loads((tmp_path / "cp.json").read_text())["rows"]
+    assert row["ranks"] == 256 and row["named_right"] and row["ops_per_s"] > 0, row
+    assert 2 <= row["named_s"] < 2 + 2 * 0.5 + 5, row  # --timeout + 2 periods, and a busy machine's slack
+    assert any(line.split()[:1] == ["256"] for line in result.stdout.splitlines()), result.stdout
