@@ -58,3 +58,10 @@ def test_the_summary_names_the_culprits_with_their_frames_and_says_who_did_not_a
         "ddptrain: rank 2 did not answer: it never started, or its Python interpreter is blocked",
         "ddptrain: every rank's stack: run/logs/stacks",
     ]
+
+
+def test_heartbeats_are_a_twentieth_of_the_timeout_between_the_verdict_period_and_five_seconds():
+    from ddptrain.resilience.watchdog import PERIOD_S, beat_period
+
+    assert beat_period(300.0) == 5.0 and beat_period(60.0) == 3.0  # the default --timeout: a tenth of the load
+    assert beat_period(4.0) == PERIOD_S and beat_period(3600.0) == 5.0  # tests' short timeouts; never slower

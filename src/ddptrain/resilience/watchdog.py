@@ -4,7 +4,8 @@ A thread per rank talks to the job's store (its own connection, see launch/group
 
 - **Heartbeat.** The training loop marks each collective it enters (``arrive``) and leaves
   (``depart``): plain attribute writes, nothing on the step's path waits. The thread
-  publishes ``(collectives entered, inside one?, label)`` whenever it changes.
+  publishes ``(collectives entered, inside one?, label, the collective it is in)`` when it
+  changed, every ``beat_period`` (a twentieth of ``--timeout``, 0.5 to 5 s).
 - **Fail fast.** A rank that raises publishes a verdict (the first one wins, through the
   store's compare-and-set); every other rank's thread sees it within ``PERIOD_S`` and ends
   its process, even when its main thread is blocked in a collective or ignores SIGTERM.
@@ -39,10 +40,19 @@ from .failures import hard_exit, record_error
 from .flight import in_flight, last_entered, recent
 from .hangs import dump_stacks, hang_summary, judge_hang, refine
 
-PERIOD_S = 0.5  # how often each rank publishes and looks for a verdict
+PERIOD_S = 0.5  # how often each rank looks for a verdict
+BEAT_SHARE, MAX_BEAT_S = 20, 5.0  # heartbeats every --timeout / 20, at most every 5 s (beat_period)
 STACK_WAIT_S = 5.0  # how long the judge waits for the culprits' stacks
 CONFIG_ERROR_GRACE_S = 3.0  # a configuration error usually hits every rank: let them return it
 STORE_LOSS_GRACE_S = 2.0  # the store's host (rank 0) may simply have finished first
+
+
+def beat_period(timeout_s: float, period_s: float = PERIOD_S) -> float:
+    """How often a rank publishes its heartbeat (when it changed) and rank 0 reads them all: a
+    twentieth of --timeout, between the verdict polls' period and MAX_BEAT_S. A hang is named
+    within --timeout + 2 of these; at the default --timeout 300 (5 s) the heartbeats are a tenth
+    of what they were at every period, which matters at thousands of ranks (control_plane.py)."""
+    return min(max(timeout_s / BEAT_SHARE, period_s), MAX_BEAT_S)
 
 
 class Watchdog(CollectiveMarks):
@@ -54,6 +64,7 @@ class Watchdog(CollectiveMarks):
         self.hosts_store = hosts_store  # this process serves the store: it leaves last
         self.address = (env.master_addr, env.master_port)
         self.timeout_s, self.period_s = timeout_s, period_s
+        self.beat_period_s = beat_period(timeout_s, period_s)
         self.run_dir = Path(run_dir) if run_dir else None
         # Written by the rank's main thread, read by the watchdog thread.
         self.arrivals, self.inside, self.label = 0, False, "start-up"
@@ -137,10 +148,12 @@ class Watchdog(CollectiveMarks):
 
     # --- the thread ------------------------------------------------------------------------
     def _run(self) -> None:
-        board, published, marks = self.board, None, None
+        board, published, marks, last_beat = self.board, None, None, -float("inf")
         assert board is not None
         while not self.finished.wait(self.period_s):
             try:
+                due = time.monotonic() - last_beat >= self.beat_period_s
+                last_beat = time.monotonic() if due else last_beat
                 # The recorder is read (about a millisecond) only when the rank has not moved for a
                 # period: a rank that takes steps faster than that never pays for it.
                 now = (self.arrivals, self.inside, self.label, self.step)
@@ -148,13 +161,13 @@ class Watchdog(CollectiveMarks):
                 beat = Heartbeat(self.arrivals, self.inside,
                                  self.label if self.step is None else f"{self.label} (step {self.step})",
                                  in_flight() if still else None)
-                if beat != published:
+                if due and beat != published:
                     board.publish(beat)
                     published = beat
                 verdict = board.verdict()
                 if verdict is not None:
                     self._act_on(verdict)
-                elif self.rank == 0:
+                elif self.rank == 0 and due:
                     self._judge()
             except Exception as error:  # noqa: BLE001 - any store failure means the same
                 self._lost_store(error)
