@@ -226,7 +226,7 @@ def table(rows: list[dict], capacity_ops: float, timeout: float, period: float) 
                      f"{'yes' if r['named_right'] else 'NO':>5} {r['propagated_s']:>7.2f}")
     lines.append(f"store capacity here: {capacity_ops:,.0f} ops/s (set+check); libuv backend: "
                  f"{'yes' if all(r['libuv'] for r in rows) else 'no'}; goal for 'named s': --timeout {timeout:g} "
-                 f"+ 2 periods = {timeout + 2 * period:g} s")
+                 f"+ 2 heartbeat periods = {timeout + 2 * period:g} s")
     return "\n".join(lines)
 
 
@@ -247,7 +247,7 @@ def main() -> int:
     parser.add_argument("--capacity-clients", type=int, default=16, help="clients measuring the store's capacity")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
-    from ddptrain.resilience.watchdog import PERIOD_S
+    from ddptrain.resilience.watchdog import beat_period
 
     rows = []
     for n in map(int, args.ranks.split(",")):
@@ -259,7 +259,7 @@ def main() -> int:
     capacity_ops = capacity(port, args.capacity_clients, 3.0)
     server.kill()
     print()
-    print(table(rows, capacity_ops, args.timeout, PERIOD_S))
+    print(table(rows, capacity_ops, args.timeout, beat_period(args.timeout)))
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"rows": rows, "capacity_ops": capacity_ops, "args": vars(args)}, out, indent=2)
