@@ -155,7 +155,7 @@ class ReplicaGroups:
         self._load_state = load_state_dict
         self.timeout_s = cfg.timeout
         self.pg = ProcessGroupGloo(timeout=timedelta(seconds=cfg.timeout))
-        address = lighthouse_address(cfg)
+        address = self.address
         try:
             self.manager = self._manager(cfg, ctx, state_dict, address)
         except RuntimeError as error:
