@@ -16,10 +16,15 @@ COMMAND = [str(BIN / "ddptrain"), "train", "--task", "ddptrain_test_tasks:uneven
 
 @pytest.mark.slow
 def test_the_same_command_twice_at_once_one_trains_the_other_exits_2_touching_nothing(tmp_path, start):
-    command = [*COMMAND, "--max-epochs", "30", "--run-dir", str(tmp_path / "run")]
-    env = clean_env(UNEVEN_SAMPLES="64")
+    # The second starts once the first holds the run dir, and the first's 128 steps of 20 ms
+    # outlast the second's start (60 steps of the uneven job with a 0.3 s head start once ended first).
+    command = [str(BIN / "ddptrain"), "train", "--task", "ddptrain_test_tasks:slow_steps", "--max-epochs", "4",
+               "--run-dir", str(tmp_path / "run")]
+    env = clean_env(STEP_SLEEP="0.02")
     first = start(command, env=env)
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "run" / HOLD_FILE).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
     second = start(command, env=env)
     results = sorted([(p.returncode, out, err) for p in (first, second)
                       for out, err, _ in [finish(p, timeout=120)]], key=lambda r: r[0])
@@ -27,7 +32,7 @@ def test_the_same_command_twice_at_once_one_trains_the_other_exits_2_touching_no
     assert (ok, refused) == (0, 2), results
     assert len(err.strip().splitlines()) == 1 and "is in use by job local-" in err, err
     records = read_metrics(tmp_path / "run")
-    assert [r["epoch"] for r in records] == list(range(30))
+    assert [r["epoch"] for r in records] == list(range(4))
     assert not list((tmp_path / "run").glob("previous-*")) and not (tmp_path / "run" / HOLD_FILE).exists()
 
 
