@@ -22,6 +22,18 @@ def say(text: str, file: Any = None) -> None:
         drop_console(file)
 
 
+def rank_list(ranks: list[int]) -> str:
+    """'rank 0, 2, 5-63': runs of three or more as a range, so a line about 64 ranks stays a line."""
+    ordered, parts = sorted(ranks), []
+    while ordered:
+        end = 0
+        while end + 1 < len(ordered) and ordered[end + 1] == ordered[end] + 1:
+            end += 1
+        parts += [f"{ordered[0]}-{ordered[end]}"] if end >= 2 else [str(r) for r in ordered[:end + 1]]
+        ordered = ordered[end + 1:]
+    return "rank " + ", ".join(parts)
+
+
 def drop_console(stream: Any) -> None:
     """Send what this process prints to ``stream`` (sys.stdout or sys.stderr) nowhere from now on."""
 

@@ -1,6 +1,7 @@
 """Fail fast and blame the right rank: a rank that raises ends the job at once, a rank that
 hangs is named with its stack, a non-finite step is never saved."""
 
+import re
 import time
 from pathlib import Path
 
@@ -172,3 +173,42 @@ def test_a_stream_sample_of_another_shape_is_named_by_rank_step_and_shapes_in_3_
                     r"sample 0 of the batch is \(Tensor\[20\] float32, Tensor\[1\] float32\), sample \d is "
                     r"\(Tensor\[21\] float32, Tensor\[1\] float32\) \(RuntimeError: stack expects", lines[0]), lines[0]
     assert not any(alive(pid) for pid in _rank_pids(tmp_path))
+
+
+def _ranks_named(line: str) -> set[int]:
+    """The ranks a report's line names: 'rank 0-36, 38-63 stopped ...; rank 7: ...' -> {0, ..., 63}."""
+    named = set()
+    for group in re.findall(r"\brank ((?:\d+(?:-\d+)?, )*\d+(?:-\d+)?)\b(?! failed)", line):
+        for part in group.split(", "):
+            first, _, last = part.partition("-")
+            named |= set(range(int(first), int(last or first) + 1))
+    return named
+
+
+RANKS_64 = ("--nproc", "64", "--batch-size", "8", "--max-epochs", "2")  # 4 steps an epoch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failure", ["raise", "sigkill", "hang"])
+def test_one_failure_among_64_local_ranks_is_named_in_at_most_5_console_lines(tmp_path, failure):
+    """64 ranks on 2 cores, rank 37 raises, is SIGKILLed or hangs at its third step: the console
+    names it in 5 lines at most (the others grouped: 'rank 0-36, 38-63 ...'), nothing is left running."""
+    task, env, timeout = {
+        "raise": ("fail_on_rank", dict(FAIL_RANK="37", FAIL_STEP="3"), "600"),
+        "sigkill": ("kill_at_step", dict(KILL_RANK="37", KILL_STEP="3", KILL_MARKER=str(tmp_path / "killed")), "600"),
+        "hang": ("slow_data", dict(SLOW_RANK="37", HANG_AFTER="16"), "20"),
+    }[failure]
+    result = ddptrain_cli("train", "--task", TASKS + task, *RANKS_64, "--timeout", timeout,
+                          "--run-dir", str(tmp_path / "run"), env=clean_env(**env), timeout=300)
+    console = result.stderr.strip().splitlines()
+    assert result.returncode == 1, result.stderr
+    assert 1 <= len(console) <= 5, result.stderr
+    named = {"raise": "ddptrain: rank 37 failed in step 3: RuntimeError: deliberate failure on rank 37",
+             "sigkill": "ddptrain: rank 37 was killed by SIGKILL",
+             "hang": "ddptrain: rank 37 did not reach the gradient all-reduce (step 3) within --timeout 20 s; "
+                     "rank 0-36, 38-63 waited there"}[failure]
+    assert console[0].startswith(named), result.stderr
+    if failure != "hang":  # every other rank is accounted for on one line, grouped by what it did
+        (others,) = [line for line in console[1:] if line.startswith("ddptrain: rank ")]
+        assert _ranks_named(others) == set(range(64)) - {37}, others
+    assert not any(alive(pid) for pid in _rank_pids(tmp_path / "run"))

@@ -64,3 +64,17 @@ def test_a_rank_that_only_lost_its_peer_is_said_to_have_stopped_never_in_gloos_w
     stopped = "rank 0 stopped after rank 1 failed (it lost its connection to it)"
     assert _what_rank_did(0, {0: closed}, cause=1) == stopped
     assert _what_rank_did(2, {}, cause=1) == "rank 2 stopped by the launcher (it had no error of its own)"
+
+
+def test_at_64_ranks_the_others_are_grouped_by_what_they_did_with_ranges_of_ranks():
+    from ddptrain.console import rank_list
+    from ddptrain.resilience.failures import _others
+
+    assert rank_list([0, 2, 3]) == "rank 0, 2, 3" and rank_list([0, 1, 3, 4, 5, 9]) == "rank 0, 1, 3-5, 9"
+    assert rank_list(list(range(37)) + list(range(38, 64))) == "rank 0-36, 38-63"
+    stopped = "PeerFailed: rank {} stopped because rank 37 failed (in all_reduce #11 ([21] float32)): RuntimeError"
+    errors = {r: RankError(r, 0, stopped.format(r), "") for r in range(64) if r not in (7, 37)}
+    errors[7] = RankError(7, 0, "ValueError: a second failure", "")
+    assert _others(64, errors, 37) == ("rank 0-6, 8-36, 38-63 stopped because rank 37 failed (in all_reduce #11 "
+                                       "([21] float32)); rank 7: a second failure")
+    assert _others(3, errors, 37).count("stopped because") == 3  # a few ranks: one by one, as before

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..console import rank_list
 from ..errors import (
     ConfigError,
     DiskFull,
@@ -197,9 +198,9 @@ def failure_report(failure: Any, nproc: int, run_dir: Path) -> tuple[str, int]:
     else:
         lines = short_report(cause)
     cause_rank = cause if isinstance(cause, int) else cause.rank
-    others = [_what_rank_did(rank, errors, cause_rank) for rank in range(nproc) if rank != cause_rank]
+    others = _others(nproc, errors, cause_rank)
     if others:
-        lines.append("ddptrain: " + "; ".join(others))
+        lines.append("ddptrain: " + others)
     if attempt_dir and isinstance(cause, RankError):
         lines.append(f"ddptrain: training failed; rank {cause.rank}'s full traceback: "
                      f"{attempt_dir / str(cause.rank) / 'error.json'}")
@@ -223,6 +224,18 @@ def _killed_report(rank: int, signal_name: str, run_dir: Path, errors: dict[int,
     return [f"ddptrain: rank {rank} aborted ({signal_name}){at}{call}: {words.reason}", *frames]
 
 
+def _others(nproc: int, errors: dict[int, RankError], cause: int) -> str:
+    """What every other rank did, on one line: rank by rank, or at more than GROUPED ranks, the
+    ranks that did the same thing together ('rank 1-4, 6-63 stopped after rank 5 failed')."""
+    did = {rank: _what_rank_did(rank, errors, cause) for rank in range(nproc) if rank != cause}
+    if len(did) <= GROUPED:
+        return "; ".join(did.values())
+    alike: dict[str, list[int]] = {}
+    for rank, text in did.items():
+        alike.setdefault(re.sub(rf"^rank {rank}\b", "{ranks}", text, count=1), []).append(rank)
+    return "; ".join(text.replace("{ranks}", rank_list(ranks), 1) for text, ranks in alike.items())
+
+
 def _what_rank_did(rank: int, errors: dict[int, RankError], cause: int) -> str:
     if rank in errors and errors[rank].kind in SECONDARY:
         return errors[rank].text.split(": ", 1)[0]
@@ -235,6 +248,7 @@ def _what_rank_did(rank: int, errors: dict[int, RankError], cause: int) -> str:
     return f"rank {rank} stopped by the launcher (it had no error of its own)"
 
 
+GROUPED = 4  # beyond this many other ranks, the report groups those that did the same
 STEP_NOTE = "ddptrain: in step "  # added to an exception that leaves the training loop (Trainer)
 COLLECTIVE_NOTE = "ddptrain: in collective "  # added to a failing rank's exception (launch/rank.py)
 USER_FRAMES = 3  # the innermost frames of the user's own code shown with a failure

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ..console import rank_list
+
 BUFFER_ENTRIES = 256  # the last collectives each rank keeps; a hang needs only the newest
 
 
@@ -130,7 +132,7 @@ def classify(collectives: dict[int, Collective | None]) -> Desync | None:
         return None
     absent = sorted(rank for rank, c in collectives.items() if c is None)
     if absent:
-        return Desync(absent, f"{_ranks(absent)} in no collective while {_where(inside)}")
+        return Desync(absent, f"{rank_list(absent)} in no collective while {_where(inside)}")
     by_seq = Counter((c.group, c.seq) for c in inside.values())
     if len(by_seq) > 1:
         return _minority(inside, lambda c: (c.group, c.seq), "at another collective than the rest")
@@ -168,7 +170,7 @@ def _minority(inside: dict[int, Collective], key: Any, what: str) -> Desync:
         culprits = sorted(inside)
     else:
         culprits = sorted(rank for rank, c in inside.items() if key(c) != top)
-    return Desync(culprits, f"{_ranks(culprits)} {what}: {_where(inside)}")
+    return Desync(culprits, f"{rank_list(culprits)} {what}: {_where(inside)}")
 
 
 def _where(inside: dict[int, Collective]) -> str:
@@ -176,8 +178,4 @@ def _where(inside: dict[int, Collective]) -> str:
     groups: dict[str, list[int]] = {}
     for rank, c in sorted(inside.items()):
         groups.setdefault(c.describe(), []).append(rank)
-    return "; ".join(f"{_ranks(ranks)} in {text}" for text, ranks in groups.items())
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {', '.join(map(str, ranks))}"
+    return "; ".join(f"{rank_list(ranks)} in {text}" for text, ranks in groups.items())

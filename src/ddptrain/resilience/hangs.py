@@ -13,11 +13,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ..console import rank_list
 from .board import Heartbeat
 from .failures import is_users
 from .flight import Collective, classify, first_disagreement
 
-INNERMOST_FRAMES = 3
+INNERMOST_FRAMES = 2  # a hang at 64 ranks is 5 lines: what, where, two frames, the stacks' folder
 TORCH_DISTRIBUTED = os.path.join("torch", "distributed", "")  # the frames below the user's collective call
 
 
@@ -76,8 +77,8 @@ def hang_summary(verdict: dict[str, Any], stacks: dict[int, str | None], timeout
                 f"more than --timeout {timeout_s:g} s: the collective itself does not complete (network, "
                 "backend or a device problem)")
     else:
-        lines = [f"ddptrain: rank {_ranks(culprits)} did not reach {where} within --timeout {timeout_s:g} s; "
-                 f"rank {_ranks(waiting)} waited there{_in(verdict, waiting)}."]
+        lines = [f"ddptrain: {rank_list(culprits)} did not reach {where} within --timeout {timeout_s:g} s; "
+                 f"{rank_list(waiting)} waited there{_in(verdict, waiting)}."]
     for rank in culprits:
         if stacks.get(rank) is not None:
             lines += [f"ddptrain: rank {rank} was in (innermost call last):", stacks[rank]]  # type: ignore[list-item]  # stacks of the ranks named
@@ -87,10 +88,6 @@ def hang_summary(verdict: dict[str, Any], stacks: dict[int, str | None], timeout
     if stacks_dir is not None:
         lines.append(f"ddptrain: every rank's stack: {stacks_dir}")
     return "\n".join(lines)
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))
 
 
 def _in(verdict: dict[str, Any], ranks: list[int]) -> str:
