@@ -107,7 +107,8 @@ def _collective(entry: dict[str, Any]) -> Collective:
 
 def recorded() -> list[dict[str, Any]]:
     """The recorder's entries, oldest first, without stack traces ([] when it is off or absent)."""
-    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)  # private: absent in some builds
+    c10d = getattr(torch._C, "_distributed_c10d", None)
+    dump = getattr(c10d, "_dump_fr_trace", None)  # private: absent in some builds
     if dump is None:
         return []
     try:
