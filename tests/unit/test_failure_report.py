@@ -78,3 +78,10 @@ def test_at_64_ranks_the_others_are_grouped_by_what_they_did_with_ranges_of_rank
     assert _others(64, errors, 37) == ("rank 0-6, 8-36, 38-63 stopped because rank 37 failed (in all_reduce #11 "
                                        "([21] float32)); rank 7: a second failure")
     assert _others(3, errors, 37).count("stopped because") == 3  # a few ranks: one by one, as before
+
+
+def test_a_killed_rank_torch_did_not_record_is_the_one_without_a_report_among_lost_connections():
+    reset = "[gloo/pair.cc:537] Read error [127.0.0.1]:4242: Connection reset by peer"
+    errors = {r: _error(r, "RuntimeError", reset, r) for r in range(4) if r != 2}
+    assert root_cause(errors, killed={}, nproc=4) == 2
+    assert root_cause(errors, killed={}).rank == 0  # without the count: the earliest, as before

@@ -153,8 +153,11 @@ def read_error_files(attempt_dir: Path) -> dict[int, RankError]:
     return found
 
 
-def root_cause(errors: dict[int, RankError], killed: dict[int, str]) -> RankError | int | None:
-    """The error to show, or the rank killed by a signal that explains the rest."""
+def root_cause(errors: dict[int, RankError], killed: dict[int, str], nproc: int = 0) -> RankError | int | None:
+    """The error to show, or the rank killed by a signal that explains the rest. torch's record
+    of the failed ranks can miss the killed one (its exit not yet reaped when the first failure
+    is polled: seen at 64 ranks); then a rank of ``nproc`` without an error report, while every
+    report is a lost connection, is the one."""
     def earliest(candidates: list[RankError]) -> RankError | None:
         return min(candidates, key=lambda e: e.mtime_ns) if candidates else None
 
@@ -164,6 +167,9 @@ def root_cause(errors: dict[int, RankError], killed: dict[int, str]) -> RankErro
     silent = sorted(r for r in killed if r not in errors)
     if silent:
         return silent[0]
+    unreported = [r for r in range(nproc) if r not in errors]
+    if unreported and any(e.lost_peer for e in errors.values()):
+        return unreported[0]
     return earliest([e for e in errors.values() if e.kind not in SECONDARY]) or earliest(list(errors.values()))
 
 
@@ -184,9 +190,9 @@ def failure_report(failure: Any, nproc: int, run_dir: Path) -> tuple[str, int]:
     killed = {rank: _signal_name(f.exitcode) for rank, f in failure.failures.items() if f.exitcode < 0}
     if any(e.kind in STUCK for e in errors.values()):
         return _hang_report(errors, run_dir), 1
-    cause = root_cause(errors, killed)
+    cause = root_cause(errors, killed, nproc)
     if isinstance(cause, int):
-        lines = _killed_report(cause, killed[cause], run_dir, errors)
+        lines = _killed_report(cause, killed.get(cause, "a signal"), run_dir, errors)
     elif cause is None:
         return (f"ddptrain: rank {reported.local_rank} failed (exit code {reported.exitcode}); "
                 "no error report\n" + str(failure)), 1

@@ -40,7 +40,9 @@ def judge_hang(seen: dict[int, tuple[Heartbeat | None, float]], now: float, time
     top = max(beats[r].arrivals for r in waiting)  # type: ignore[union-attr]  # the waiting ranks have beats
     culprits = [r for r, beat in sorted(beats.items())
                 if beat is None or beat.arrivals < top or (beat.arrivals == top and not beat.waits)]
-    verdict = {"kind": "hang", "rank": 0, "culprits": culprits, "waiting": [r for r in waiting if r not in culprits],
+    # Every rank inside a collective waits (some not yet for --timeout: on a busy machine ranks arrive apart)
+    waiting = [r for r, beat in sorted(beats.items()) if beat is not None and beat.waits and r not in culprits]
+    verdict = {"kind": "hang", "rank": 0, "culprits": culprits, "waiting": waiting,
                "label": beats[waiting[0]].where, "message": "hang",  # type: ignore[union-attr]  # likewise
                "collectives": {str(r): beat.collective.describe() for r, beat in beats.items()
                                if beat is not None and beat.collective is not None}}
