@@ -33,17 +33,17 @@ def judge_hang(seen: dict[int, tuple[Heartbeat | None, float]], now: float, time
       ranks in different collectives, flight.classify).
 
     The ranks that waited where they should are never blamed."""
-    waiting = sorted(r for r, (beat, since) in seen.items() if beat and beat.waits and now - since > timeout_s)
-    if not waiting:
+    timed_out = sorted(r for r, (beat, since) in seen.items() if beat and beat.waits and now - since > timeout_s)
+    if not timed_out:
         return None
     beats = {rank: beat for rank, (beat, _) in seen.items()}
-    top = max(beats[r].arrivals for r in waiting)  # type: ignore[union-attr]  # the waiting ranks have beats
+    top = max(beats[r].arrivals for r in timed_out)  # type: ignore[union-attr]  # the waiting ranks have beats
     culprits = [r for r, beat in sorted(beats.items())
                 if beat is None or beat.arrivals < top or (beat.arrivals == top and not beat.waits)]
     # Every rank inside a collective waits (some not yet for --timeout: on a busy machine ranks arrive apart)
     waiting = [r for r, beat in sorted(beats.items()) if beat is not None and beat.waits and r not in culprits]
     verdict = {"kind": "hang", "rank": 0, "culprits": culprits, "waiting": waiting,
-               "label": beats[waiting[0]].where, "message": "hang",  # type: ignore[union-attr]  # likewise
+               "label": beats[timed_out[0]].where, "message": "hang",  # type: ignore[union-attr]  # likewise
                "collectives": {str(r): beat.collective.describe() for r, beat in beats.items()
                                if beat is not None and beat.collective is not None}}
     if not culprits and all(beat is not None for beat in beats.values()):
