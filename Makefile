@@ -29,10 +29,11 @@ dev: $(VENV)/.installed-dev
 train: install
 	$(BIN)/ddptrain train
 
-# One test at a time: two at a time (pytest-xdist) saved little in a fresh clone and made the
-# stop-signal deadlines flaky (docs/development.md). CI's .ci/suite_budget.py reads the output.
+# Two test files at a time (pytest-xdist): a file's tests share its fixtures on one worker, and
+# tests that wait by design (a silent store, a hang's --timeout) wait beside others' work
+# (docs/development.md). CI's .ci/suite_budget.py reads the output.
 test: dev lint docs  # the 25 slowest tests listed at the end: where the suite's time goes
-	$(BIN)/pytest -q --durations=25 tests
+	$(BIN)/pytest -q -n 2 --dist loadfile --durations=25 tests
 
 test-fast: dev  # the unit tests but the few slow ones: pure logic in this process, under 10 s
 	$(BIN)/pytest -q -m 'not slow' tests/unit

@@ -14,7 +14,8 @@ measurements.
 
 import argparse
 
-from ddptrain.observe.goodput import best_interval_s, replica_goodput, restart_goodput
+from ddptrain.observe.goodput import replica_goodput, restart_goodput
+from ddptrain.progress import best_interval_s
 
 GPU_HOURS_PER_FAILURE = 54 * 24 * 16_384 / 419  # Llama 3 405B (Dubey et al. 2024, table 5)
 

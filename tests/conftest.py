@@ -27,6 +27,21 @@ import pytest  # noqa: E402
 
 from helpers.commands import clean_env, finish  # noqa: E402
 
+# `make test` runs two test files at a time (pytest -n 2 --dist loadfile): each file goes whole
+# to the next free worker, in collection order. The longest files go first (measured, seconds
+# of a -n 2 run), so the suite does not end with one worker idle beside another still running
+# a long file; the rest keep their order, the unit tests (milliseconds each) last.
+LONGEST_FIRST = ("test_data.py", "test_remote_run_dir.py", "test_matrix.py", "test_bench.py",
+                 "test_stop_signals.py", "test_fault_tolerance.py", "test_snapshots.py", "test_docs.py",
+                 "test_launch_ray.py", "test_launch_multihost.py", "test_resilience.py", "test_api.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    order = {f"integration/{name}": place for place, name in enumerate(LONGEST_FIRST)}
+    # stable: a file's tests stay in their order
+    items.sort(key=lambda item: order.get(f"{item.path.parent.name}/{item.path.name}", len(order)))
+
+
 # Set by pytest itself, or by torch when a module is first imported: not a test's doing.
 NOT_A_LEAK = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
 

@@ -57,10 +57,7 @@ class CollectiveMarks:
         return 0.0
 
     def phase(self, label: str) -> None:
-        """What this rank is doing outside collectives (start-up stages)."""
-
-    def at_step(self, step: int) -> None:
-        """A training step begins."""
+        """What this rank is doing outside collectives: a start-up stage, or "step N"."""
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,8 @@ KEPT_ON_RESUME = ("ema", "ema_every", "keep_best")
 # Settings that do not define *which* run this is: changing them keeps the default run dir,
 # so the same command (or the same command with more epochs) finds its run again.
 NOT_IDENTITY = ("run_dir", "resume", "max_epochs", "max_steps", "progress", "tensorboard", "tracker", "plot",
-                "log_ranks", "timeout", "max_restarts", "keep", "save_every", "save_seconds", "eval_every",
+                "log_ranks", "timeout", "max_restarts", "keep", "save_every", "save_seconds", "mttf_hours",
+                "eval_every",
                 "eval_every_steps", "workers", "peak_tflops", "profile", "lean_cpu_memory", "keep_best",
                 "early_stop", "early_stop_delta", "ema", "ema_every", "lighthouse")
 
@@ -126,6 +127,10 @@ class RunConfig:
                                "the last one (stretched so snapshots cost at most 2%% of training "
                                "time; 0: off); snapshots are also written at the end and on a "
                                "stop signal", default=60.0)
+    mttf_hours: float = _opt("the job's mean time between failures, in hours: snapshots by time then "
+                             "come every sqrt(2 x a snapshot's blocking time x MTTF) s, the interval "
+                             "that loses least to snapshots and redone steps (Young's rule), in place "
+                             "of --save-seconds, which times the first (0: off)", default=0.0)
     keep: int = _opt("snapshots kept in RUN_DIR/snapshots", default=2)
     resume: str = _opt("auto (newest complete snapshot in the run dir), never (a fresh start; an "
                        "earlier run's files there are moved aside), or a snapshot path", default="auto")
@@ -315,6 +320,11 @@ def validate(cfg: RunConfig) -> None:
         (cfg.save_every >= 0, f"--save-every must be >= 0 (0: off), got {cfg.save_every}"),
         (math.isfinite(cfg.save_seconds) and cfg.save_seconds >= 0,
          f"--save-seconds must be a number >= 0 (0: off), got {cfg.save_seconds}"),
+        (math.isfinite(cfg.mttf_hours) and cfg.mttf_hours >= 0,
+         f"--mttf-hours must be a number of hours >= 0 (0: off), got {cfg.mttf_hours}"),
+        (not cfg.mttf_hours or cfg.save_seconds > 0,
+         "--mttf-hours times snapshots from the first one's cost: leave --save-seconds on (> 0), "
+         "it times the first"),
         (cfg.keep >= 1, f"--keep must be at least 1, got {cfg.keep}"),
         (cfg.max_restarts >= 0, f"--max-restarts must be >= 0, got {cfg.max_restarts}"),
         (cfg.eval_every >= 0, f"--eval-every must be >= 0, got {cfg.eval_every}"),

@@ -8,6 +8,7 @@ a stop signal, --early-stop) lives here and is unit-tested without ranks (tests/
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,3 +129,11 @@ class Cadence:
             return False
         final = partial or epoch + 1 >= self.max_epochs or self.steps_reached()
         return final or (self.eval_every > 0 and (epoch + 1) % self.eval_every == 0)
+
+
+def best_interval_s(job_mttf_s: float, snapshot_s: float, write_s: float = 0.0) -> float:
+    """The snapshot interval that maximises the goodput of a job that restarts from its newest
+    snapshot (Young 1974, Daly 2006): sqrt(2 * a snapshot's blocking time * the job's MTTF), but no
+    shorter than ``write_s``: a snapshot's write, behind the training, ends before the next.
+    (observe/goodput.restart_goodput is the model; --mttf-hours times snapshots by it.)"""
+    return max(math.sqrt(2 * snapshot_s * job_mttf_s), write_s)

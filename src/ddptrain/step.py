@@ -83,7 +83,7 @@ class OptimizerStep:
         A loss returned as ``(sum, count)`` is divided by the step's count over every rank
         instead (``_divide_by_count``)."""
         self.optimizer.zero_grad(set_to_none=True)
-        self.watchdog.at_step(step)
+        self.watchdog.phase(f"step {step}")
         share_buffers(self.strategy, self.module, self.watchdog, step)
         with self.flops.first_step():  # FlopCounterMode around the first step's work, once
             total, count = self._forward_backward(group, step)

@@ -39,6 +39,8 @@ CASES = [
     (["--keep", "0"], {}, "--keep must be at least 1"),
     (["--save-every", "-1"], {}, "--save-every must be >= 0"),
     (["--save-seconds", "-1"], {}, "--save-seconds must be a number >= 0"),
+    (["--mttf-hours", "-1"], {}, "--mttf-hours must be a number of hours >= 0"),
+    (["--mttf-hours", "2", "--save-seconds", "0"], {}, "--mttf-hours times snapshots from the first one's cost"),
     (["--max-restarts", "-1"], {}, "--max-restarts must be >= 0"),
     (["--workers", "-1"], {}, "--workers must be >= 0"),
     (["--warmup-steps", "-1"], {}, "--warmup-steps must be >= 0"),

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from ddptrain import ConfigError, TrainingFailed
+from ddptrain.observe.goodput import read_timeline
 from ddptrain.snapshots import files
 from helpers.commands import (
     BIN,
@@ -76,6 +77,28 @@ def test_time_based_snapshots_with_a_sigkill_at_a_random_step(tmp_path):
     fit(TASKS + "kill_at_step", tmp_path / "run", env=_kill_env(tmp_path, step % 2, step), max_restarts=1, **args)
     assert (tmp_path / "killed").exists()
     assert_same_weights(load_model(tmp_path / "run"), load_model(tmp_path / "straight"), exact=True)
+
+
+@pytest.mark.slow
+def test_mttf_hours_times_snapshots_by_youngs_rule_from_the_first_snapshots_cost(tmp_path, capfd):
+    """--mttf-hours M: --save-seconds times the first snapshot, which measures a snapshot's cost C;
+    from then on one every sqrt(2 C M) s, said in one line. M = 10 s here: with C of 10-100 ms,
+    every 0.4-1.4 s, taken up to two stop agreements (~0.5 s each) later, against the 3 s of
+    --save-seconds."""
+    run_dir = tmp_path / "run"
+    fit(TASKS + "paced", run_dir, env={"STEP_SLEEP": "0.02"}, max_steps=400, save_seconds=3.0,
+        mttf_hours=10 / 3600)
+    told = re.findall(r"^ddptrain: snapshots every ([\d.e+-]+) s of training from now \(--mttf-hours "
+                      r"0\.00277778: Young's interval for a snapshot that blocks ([\d.e+-]+) s\)$",
+                      capfd.readouterr().out, re.M)
+    assert len(told) == 1, told
+    interval, cost = (float(x) for x in told[0])
+    assert interval == pytest.approx((2 * cost * 10) ** 0.5, rel=0.01)
+    by_time = [e for e in read_timeline(run_dir) if e["e"] == "snapshot"][:-1]  # (the last: the run's end)
+    gaps = [later["t0"] - earlier["t1"] for earlier, later in zip(by_time, by_time[1:])]
+    assert len(by_time) >= 3, by_time  # --save-seconds 3 alone: 2 in a run of 8 s
+    # each one due after the interval, decided at the next agreement, acted on at the one after
+    assert all(0.9 * interval <= gap < 3.0 for gap in gaps), (gaps, interval)
 
 
 @pytest.mark.slow

@@ -64,7 +64,8 @@ def test_the_timeline_rewrites_one_line_per_stretch_of_steps(tmp_path):
 
 
 def test_the_projection_young_daly_interval_is_the_best_and_replicas_lose_less():
-    from ddptrain.observe.goodput import best_interval_s, replica_goodput, restart_goodput
+    from ddptrain.observe.goodput import replica_goodput, restart_goodput
+    from ddptrain.progress import best_interval_s
 
     mttf, snapshot, restart = 3 * 3600, 5.0, 600.0
     best = best_interval_s(mttf, snapshot)

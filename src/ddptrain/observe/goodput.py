@@ -283,12 +283,6 @@ def restart_goodput(job_mttf_s: float, interval_s: float, snapshot_s: float, res
     return min(1.0, max(0.0, 1 - snapshot_s / interval_s - (restart_s + interval_s / 2) / job_mttf_s))
 
 
-def best_interval_s(job_mttf_s: float, snapshot_s: float, write_s: float = 0.0) -> float:
-    """The snapshot interval that maximises ``restart_goodput`` (Young's sqrt(2 * cost * MTTF)),
-    but no shorter than ``write_s``: a snapshot's write, behind the training, ends before the next."""
-    return max(math.sqrt(2 * snapshot_s * job_mttf_s), write_s)
-
-
 def replica_goodput(job_mttf_s: float, groups: int, stall_s: float, heal_s: float) -> float:
     """First-order expected goodput with torchft's replica groups: at a failure every group
     stalls ``stall_s`` (the lighthouse's heartbeat timeout), and the failed group's share of the

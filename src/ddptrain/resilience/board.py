@@ -67,12 +67,8 @@ class Board:
 
     def heartbeats(self) -> dict[int, Heartbeat | None]:
         """Every rank's newest heartbeat (None: it never published one)."""
-        keys = [self._key(f"hb/{r}") for r in range(self.world_size)]
-        if self.store.check(keys):
-            values: list[bytes | None] = list(self.store.multi_get(keys))
-        else:
-            values = [self.store.get(k) if self.store.check([k]) else None for k in keys]
-        return {rank: None if value is None else Heartbeat.decode(value.decode()) for rank, value in enumerate(values)}
+        posted = self._read({rank: self._key(f"hb/{rank}") for rank in range(self.world_size)})
+        return {rank: None if text is None else Heartbeat.decode(text) for rank, text in posted.items()}
 
     # --- the verdict -----------------------------------------------------------------------
     def verdict(self) -> dict[str, Any] | None:
@@ -104,13 +100,21 @@ class Board:
                 for rank, text in posted.items() if text is not None}
 
     def _posted(self, kind: str, ranks: list[int], deadline: float) -> dict[int, str | None]:
-        found: dict[int, str | None] = {}
-        for rank in ranks:
-            key = self._key(f"{kind}/{rank}")
-            while not self.store.check([key]) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            found[rank] = self.store.get(key).decode() if self.store.check([key]) else None
-        return found
+        """Each rank's ``kind`` key, once all are there or at ``deadline``: one request per poll
+        for every rank, not one per rank (4,096 ranks' stacks would be 4,096 round trips)."""
+        keys = {rank: self._key(f"{kind}/{rank}") for rank in ranks}
+        while not self.store.check(list(keys.values())) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self._read(keys)
+
+    def _read(self, keys: dict[int, str]) -> dict[int, str | None]:
+        """The value of each rank's key (None: not set): one multi_get when every key is there."""
+        names = list(keys.values())
+        if self.store.check(names):
+            values: list[bytes | None] = list(self.store.multi_get(names))
+        else:
+            values = [self.store.get(name) if self.store.check([name]) else None for name in names]
+        return {rank: None if value is None else value.decode() for rank, value in zip(keys, values)}
 
     # --- leaving ---------------------------------------------------------------------------
     def leave(self, wait_for_others: bool) -> None:

@@ -137,12 +137,7 @@ def classify(collectives: dict[int, Collective | None]) -> Desync | None:
     by_seq = Counter((c.group, c.seq) for c in inside.values())
     if len(by_seq) > 1:
         return _minority(inside, lambda c: (c.group, c.seq), "at another collective than the rest")
-    by_call = Counter((c.op, c.shapes) for c in inside.values())
-    if len(by_call) > 1:
-        ops = {c.op for c in inside.values()}
-        what = "in another op at the same collective" if len(ops) > 1 else "in the same op with other shapes"
-        return _minority(inside, lambda c: (c.op, c.shapes), what)
-    return None
+    return _other_calls(inside, " at the same collective")
 
 
 def first_disagreement(histories: dict[int, list[Collective]]) -> Desync | None:
@@ -156,10 +151,17 @@ def first_disagreement(histories: dict[int, list[Collective]]) -> Desync | None:
         for c in history:
             calls.setdefault((c.group, c.seq), {})[rank] = c
     for _key, at in sorted(calls.items(), key=lambda item: item[0][1]):
-        if len(at) > 1 and len({(c.op, c.shapes) for c in at.values()}) > 1:
-            what = "in another op" if len({c.op for c in at.values()}) > 1 else "in the same op with other shapes"
-            return _minority(at, lambda c: (c.op, c.shapes), what)
+        if len(at) > 1 and (found := _other_calls(at)):
+            return found
     return None
+
+
+def _other_calls(at: dict[int, Collective], context: str = "") -> Desync | None:
+    """At one collective: the ranks whose op or shapes differ from the most common call."""
+    if len({(c.op, c.shapes) for c in at.values()}) < 2:
+        return None
+    what = f"in another op{context}" if len({c.op for c in at.values()}) > 1 else "in the same op with other shapes"
+    return _minority(at, lambda c: (c.op, c.shapes), what)
 
 
 def _minority(inside: dict[int, Collective], key: Any, what: str) -> Desync:

@@ -99,12 +99,9 @@ class Watchdog(CollectiveMarks):
         return waited
 
     def phase(self, label: str) -> None:
-        """What this rank is doing outside collectives (start-up stages)."""
+        """What this rank is doing outside collectives: a start-up stage, or "step N" (where a
+        hang in the task's own collectives happened)."""
         self.label, self.step = label, None
-
-    def at_step(self, step: int) -> None:
-        """A training step begins (where a hang in the task's own collectives happened)."""
-        self.label, self.step = f"step {step}", None
 
     # --- life cycle ------------------------------------------------------------------------
     def start(self) -> Watchdog:

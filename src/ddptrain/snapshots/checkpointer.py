@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from ..comm import CollectiveMarks, DistContext
 from ..config import RunConfig
+from ..console import say
+from ..progress import best_interval_s
 from ..run_dir import RunDir
 from . import dcp as snapshot_dcp
 from . import files, rng
@@ -97,6 +99,7 @@ class Checkpointer:
         self.saved_progress: dict[str, Any] = {}
         self.last_saved_at = time.perf_counter()
         self.cost_s = 0.0  # the most a snapshot has cost the training path (rank 0)
+        self.told_interval = False  # --mttf-hours: the interval it chose, said once
 
     # --- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -130,8 +133,20 @@ class Checkpointer:
         """Rank 0's clock (agreed by every rank through resilience/stop_signals.StopSignal)."""
         if not self.cfg.save_seconds:
             return False
-        interval = max(self.cfg.save_seconds, self.cost_s / MAX_SNAPSHOT_SHARE)
+        interval = self.interval_s()
+        if self.cfg.mttf_hours and self.cost_s and not self.told_interval:
+            self.told_interval = True
+            say(f"ddptrain: snapshots every {interval:.3g} s of training from now (--mttf-hours "
+                f"{self.cfg.mttf_hours:g}: Young's interval for a snapshot that blocks {self.cost_s:.3g} s)")
         return time.perf_counter() - self.last_saved_at >= interval
+
+    def interval_s(self) -> float:
+        """Seconds of training between snapshots by time: --save-seconds, stretched so snapshots
+        cost at most 2% of the training; with --mttf-hours, once a snapshot's cost is known,
+        Young's interval from it (the costliest snapshot's: the first includes one-off work)."""
+        if self.cfg.mttf_hours and self.cost_s:
+            return best_interval_s(self.cfg.mttf_hours * 3600, self.cost_s)
+        return max(self.cfg.save_seconds, self.cost_s / MAX_SNAPSHOT_SHARE)
 
     # --- saving ----------------------------------------------------------------------------
     def wants(self, global_step: int) -> bool:
