@@ -37,7 +37,8 @@ from .store_calls import STORE_CALL_S, store_filesystem
 MANIFEST = ".manifest"
 SNAPSHOT_NAME = re.compile(r"^step-(\d{9})(\.pt)?$")  # a file (one rank wrote it) or a DCP folder (sharded)
 # What makes a run (copied up as written, down at start); the rest of a run dir is the machine's.
-RUN_FILES = ("metrics.jsonl", "config.json", "trackers.json", "metrics.csv", "hf_model.json", "timeline.jsonl")
+TIMELINE = "timeline.jsonl"  # every attempt's timeline (observe/goodput.py)
+RUN_FILES = ("metrics.jsonl", "config.json", "trackers.json", "metrics.csv", "hf_model.json", TIMELINE)
 # What an earlier run leaves that a fresh start moves aside (the store holds those it was sent).
 LEFTOVERS = ("snapshots", *RUN_FILES, "model.pt", "curves.png", "tensorboard", "wandb", "best", "ema")
 LEDGER = ".not-uploaded.json"  # in a mirror, while it holds uploads the store lacks (snapshots/uploads.py)
@@ -117,9 +118,10 @@ class RunDir:
     def pull_run_files(self) -> None:
         """The store's run files into the mirror (a folder holds its own)."""
 
-    def move_aside(self, stamp: str) -> str | None:
-        """A fresh start: an earlier run's files go to ``previous-<stamp>/``; where, or None."""
-        found = [name for name in LEFTOVERS if (self.local / name).exists()]
+    def move_aside(self, stamp: str, keep: tuple[str, ...] = ()) -> str | None:
+        """A fresh start: an earlier run's files (but those named in ``keep``) go to
+        ``previous-<stamp>/``; where, or None."""
+        found = [name for name in LEFTOVERS if name not in keep and (self.local / name).exists()]
         if not found:
             return None
         target = self.local / f"previous-{stamp}"
@@ -338,11 +340,11 @@ class StoreRunDir(RunDir):
     def check_visible(self, path: Path, rank: int) -> None:
         """Each machine's mirror is its own; the store's copy follows behind."""
 
-    def move_aside(self, stamp: str) -> str | None:
-        """A fresh start: an earlier run's files go to ``previous-<stamp>/``, in the mirror and in
-        the store; the store's folder, or None."""
-        super().move_aside(stamp)
-        found = [n for n in self.names() if n in LEFTOVERS]
+    def move_aside(self, stamp: str, keep: tuple[str, ...] = ()) -> str | None:
+        """A fresh start: an earlier run's files (but ``keep``) go to ``previous-<stamp>/``, in the
+        mirror and in the store; the store's folder, or None."""
+        super().move_aside(stamp, keep)
+        found = [n for n in self.names() if n in LEFTOVERS and n not in keep]
         if not found:
             return None
         target = f"previous-{stamp}"

@@ -89,7 +89,7 @@ def killed_on_schedule(factory):
         def maybe_kill(n: int) -> None:
             if n == step and _rank() == rank:
                 wanted = (resumed_from + n - 1) // every * every  # the snapshot the next attempt resumes from
-                while not (folder / f"step-{wanted:09d}.pt").is_file():
+                while wanted and not (folder / f"step-{wanted:09d}.pt").is_file():  # 0: none to wait for
                     time.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGKILL)
         return _on_step(task, maybe_kill)

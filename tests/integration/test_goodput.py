@@ -59,6 +59,24 @@ def test_a_run_killed_twice_counts_the_steps_redone_and_each_start_up(tmp_path, 
     assert UNKNOWN in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_an_attempt_killed_before_the_first_snapshot_is_counted_as_redone(tmp_path, capfd):
+    """Rank 1 SIGKILLed at its 5th step, before any snapshot: the next attempt starts afresh and
+    moves the first one's files aside, but not its timeline, so its 4 steps count as redone."""
+    run_dir = tmp_path / "run"
+    env = {"KILLS": "1:5", "KILL_SNAPSHOTS": str(run_dir / "snapshots"), "SAVE_EVERY": "10",
+           "STEP_SLEEP": str(STEP_SLEEP)}
+    fit(TASKS + "killed_twice", run_dir, env=env, max_restarts=1, max_epochs=1, save_every=10, save_seconds=0)
+    assert "ddptrain: a fresh start in " in capfd.readouterr().out  # the killed attempt's other files: aside
+    attempts = attempts_of(read_timeline(run_dir))
+    assert [a.start["resumed_from"] for a in attempts] == [0, 0]
+    found = account(read_timeline(run_dir))
+    assert found["attempts"] == 2 and found["steps_redone"] == 4
+    assert 4 * STEP_SLEEP <= found["steps_redone_s"] <= 4 * STEP_SLEEP * 3
+    assert _parts_sum(found) == pytest.approx(found["wall_s"], rel=0.01) and 0 < found["goodput"] < 1
+    assert [r["epoch"] for r in read_metrics(run_dir) if r.get("kind") == "epoch"] == [0]  # once, not twice
+
+
 def test_an_uninterrupted_run_redoes_nothing(tmp_path, capfd):
     fit("regression", tmp_path / "run", max_epochs=1)
     found = account(read_timeline(tmp_path / "run"))

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TIMELINE = "timeline.jsonl"
+from ..run_dir import TIMELINE
+
 WRITE_EVERY_S = 0.02  # the resolution of a killed rank 0's last steps
 SLOT = 160  # bytes of the line a stretch of steps rewrites in place
 LAUNCHED_AT = "DDPTRAIN_LAUNCHED_AT"  # ddptrain's launcher's start: the attempt's, for its ranks

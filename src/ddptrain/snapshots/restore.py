@@ -31,7 +31,7 @@ from ..comm import CollectiveMarks, DistContext, broadcast_object
 from ..config import RunConfig
 from ..console import say
 from ..errors import ConfigError
-from ..run_dir import RunDir, StoreRunDir
+from ..run_dir import TIMELINE, RunDir, StoreRunDir
 from . import dcp as snapshot_dcp
 from . import files
 from .uploads import mirror_is_ahead, sync_up
@@ -142,7 +142,11 @@ def _choose(cfg: RunConfig, home: RunDir) -> Snapshot | dict[str, str] | None:
     except ConfigError as error:
         return {"error": str(error)}
     if found is None:
-        moved = _from_store(home, lambda: home.move_aside(time.strftime("%Y%m%d-%H%M%S")))
+        # An attempt killed before its first snapshot (no snapshot, no model.pt) is this run's
+        # first attempt: its timeline stays, so goodput counts its steps as redone.
+        unfinished = cfg.resume == "auto" and not (home.local / "model.pt").exists()
+        keep = (TIMELINE,) if unfinished else ()
+        moved = _from_store(home, lambda: home.move_aside(time.strftime("%Y%m%d-%H%M%S"), keep))
         if moved is not None:
             say(f"ddptrain: a fresh start in {home}: moved the earlier run's files to {moved}")
         return None
