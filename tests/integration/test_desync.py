@@ -44,16 +44,20 @@ def test_a_rank_in_another_collective_is_named_with_the_step_and_every_rank_s_op
         assert "desync_tasks.py:" in err.splitlines()[-2] or "desync_tasks.py:" in err, err
         survivors = [r for r in range(nproc) if r != aborted]
         report = err.splitlines()[-2]  # what every other rank did, on one line
-        for rank in survivors:
-            assert re.search(rf"rank {rank} stopped [^;]*in all_reduce #\d+ \(\[\d+\] float32\)", report), err
+        for rank in survivors:  # in the collective it was in; under load the launcher may stop it first
+            assert re.search(rf"rank {rank} stopped ([^;]*in all_reduce #\d+ \(\[\d+\] float32\)|by the "
+                             rf"launcher \(it had no error of its own\))", report), err
         # The ranks' shapes name the rank at fault: rank 1's own call, or its partner's that met it.
-        assert aborted == 1 or re.search(rf"rank 1 stopped after .*{fault}", report), err
+        # (Under load the launcher may stop rank 1 before gloo raises in it: its shapes are lost, #49.)
+        stopped_first = "rank 1 stopped by the launcher" in report
+        assert aborted == 1 or stopped_first or re.search(rf"rank 1 stopped after .*{fault}", report), err
     else:  # a hang: the watchdog compared the ranks' collectives
         assert headline.startswith("ddptrain: the ranks' collectives do not match at "), err
         assert f"step {STEP})" in headline or f"step {STEP} " in headline, headline
         named = "rank 0, 1" if nproc == 2 else "rank 1"  # two ranks: no majority says which is wrong
         assert re.search(rf"\(waited --timeout {TIMEOUT_S} s\): {named} in ", headline), headline
         assert re.search(rf"rank 1 in {fault}", headline), headline
-        assert re.search(rf"rank 0(, 2, 3)? in {others}", headline), headline
+        # (a rank whose history came later than the summary's wait is left out of it: seen under load)
+        assert re.search(rf"rank 0(, 2)?(, 3)? in {others}", headline), headline
         assert "ddptrain: rank 1 was in (innermost call last):" in err and "desync_tasks.py" in err, err
         assert (tmp_path / "logs" / "hang.txt").read_text().strip() == err.strip()
