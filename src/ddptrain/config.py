@@ -55,8 +55,7 @@ KEPT_ON_RESUME = ("ema", "ema_every", "keep_best")
 # so the same command (or the same command with more epochs) finds its run again.
 NOT_IDENTITY = ("run_dir", "resume", "max_epochs", "max_steps", "progress", "tensorboard", "tracker", "plot",
                 "log_ranks", "timeout", "max_restarts", "keep", "save_every", "save_seconds", "mttf_hours",
-                "eval_every",
-                "eval_every_steps", "workers", "peak_tflops", "profile", "lean_cpu_memory", "keep_best",
+                "eval_every", "eval_every_steps", "workers", "peak_tflops", "profile", "lean_cpu_memory", "keep_best",
                 "early_stop", "early_stop_delta", "ema", "ema_every", "lighthouse")
 
 
