@@ -49,6 +49,11 @@ class StoreBehind(RuntimeError):
     uploaded, where it is safe, the command that uploads it), exit status 1."""
 
 
+class LighthouseLost(RuntimeError):
+    """The torchft lighthouse stopped answering and no lighthouse answered on its address
+    within --timeout: one line (where, for how long, what to do), exit status 1."""
+
+
 class SnapshotError(ConfigError):
     """A snapshot cannot be used: one line naming the file and the problem."""
 

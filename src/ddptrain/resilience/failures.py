@@ -25,6 +25,7 @@ from ..console import rank_list
 from ..errors import (
     ConfigError,
     DiskFull,
+    LighthouseLost,
     NonFiniteError,
     PeerFailed,
     PeerStuck,
@@ -45,7 +46,8 @@ STUCK = (RankStuck.__name__, PeerStuck.__name__)
 TERMINATED = "SignalException"
 # Reported as one line "ddptrain: error: ..." (no traceback); the value is the exit status.
 ONE_LINE = {ConfigError.__name__: 2, SnapshotError.__name__: 2, StorageNotShared.__name__: 2,
-            NonFiniteError.__name__: 1, DiskFull.__name__: 1, StoreBehind.__name__: 1}
+            NonFiniteError.__name__: 1, DiskFull.__name__: 1, StoreBehind.__name__: 1,
+            LighthouseLost.__name__: 1}
 # What a rank sees when its peer has died: the peer is the cause, not this rank.
 LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ECONNRESET",
              "Socket closed", "Connection refused")

@@ -1,12 +1,16 @@
 """``ddptrain lighthouse``: torchft's lighthouse (its ``LighthouseServer``, in this process),
 which the replica groups of ``--fault-tolerance torchft`` reach at every step to learn which
-groups are alive (resilience/replicas.py). One per run; loopback unless told otherwise."""
+groups are alive (resilience/replicas.py). One per run; loopback unless told otherwise. And
+the groups' side: whether it answers (its dashboard), and a line when it stops and comes back."""
 
 from __future__ import annotations
 
 import signal
 import socket
 import threading
+import time
+import urllib.request
+from collections.abc import Callable
 
 from ..errors import ConfigError
 
@@ -25,6 +29,9 @@ def check(bind: str, min_replicas: int, heartbeat_timeout_ms: int, join_timeout_
     if importlib.util.find_spec("torchft") is None:
         raise ConfigError("ddptrain lighthouse needs the torchft package; pip install 'ddptrain[ft]'")
     with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as probe:
+        # as the lighthouse binds (SO_REUSEADDR): a lighthouse restarted on its address while the
+        # killed one's connections linger (TIME_WAIT) can listen there, and must not be refused
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host.strip("[]"), int(port)))
         except OSError as error:
@@ -51,3 +58,62 @@ def serve(bind: str, min_replicas: int, heartbeat_timeout_ms: int, join_timeout_
     stop.wait()
     server.shutdown()
     return 0
+
+
+def read_dashboard(address: str, page: str = "/", timeout_s: float = 5.0) -> str:
+    """A page of the lighthouse's dashboard (asked directly, not through an HTTP proxy); OSError
+    or ValueError when nothing answers within ``timeout_s``."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with direct.open(address.rstrip("/") + page, timeout=timeout_s) as answer:
+        return answer.read(1 << 20).decode(errors="replace")
+
+
+class LighthouseWatch:
+    """A group's rank 0, while a quorum is pending: does the lighthouse still answer? torchft
+    sends a quorum request again while its lighthouse is away, and reconnects to a restarted
+    one, but says nothing; this says in a line that the lighthouse stopped answering, and in
+    another that it answers again. It asks only once a quorum has been pending ``pending_s``
+    (a step's quorum takes milliseconds): a healthy run never pays for it."""
+
+    def __init__(self, address: str, info: Callable[[str], None], timeout_s: float,
+                 pending_s: float = 2.0, every_s: float = 1.0) -> None:
+        self.address, self.info, self.timeout_s = address, info, timeout_s
+        self.pending_s, self.every_s = pending_s, every_s
+        self._pending: tuple[int, float] | None = None  # (the step, since when) of the quorum pending
+        self.lost_since: float | None = None  # when it was found not answering (None: it answers)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="ddptrain-lighthouse-watch", daemon=True)
+        self._thread.start()
+
+    def pending(self, step: int) -> None:
+        """A quorum for the step after ``step`` is asked for (-1: the start's)."""
+        self._pending = (step, time.monotonic())
+
+    def settled(self) -> None:
+        self._pending = None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.every_s):
+            pending = self._pending
+            if self.lost_since is None and (pending is None or time.monotonic() - pending[1] < self.pending_s):
+                continue
+            answers = self._answers()
+            if not answers and self.lost_since is None:
+                self.lost_since = time.monotonic()
+                step = f"step {pending[0] + 1}: " if pending and pending[0] >= 0 else ""  # (-1: the start)
+                self.info(f"ddptrain: {step}the lighthouse at {self.address} stopped answering; the replica groups "
+                          f"wait up to --timeout {self.timeout_s:g} s for it (or a new one on its address) to answer")
+            elif answers and self.lost_since is not None:
+                self.info(f"ddptrain: the lighthouse at {self.address} answers again after "
+                          f"{time.monotonic() - self.lost_since:.0f} s; the replica groups train on")
+                self.lost_since = None
+
+    def _answers(self) -> bool:
+        try:
+            read_dashboard(self.address, timeout_s=self.every_s * 2)
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def close(self) -> None:
+        self._stop.set()

@@ -55,12 +55,15 @@ import torch
 
 from ..comm import DistContext, broadcast_object
 from ..config import RunConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, LighthouseLost
 from ..run_dir import RunDir
+from .lighthouse import LighthouseWatch, read_dashboard
+from .siblings import SiblingWatch
 
 # The lighthouse's dashboard, /status: a member of the last quorum and the step it joined for
 QUORUM_MEMBER = re.compile(r"<b>(group\d+\.[0-9a-f]+):[^<]*</b>\s*<br/>\s*Step:\s*(\d+)")
 RESUMED_WAIT_S = 60.0  # a resumed start's wait for the other groups (a whole-job restart's are not far behind)
+QUORUM_RETRY_S = 1.0  # while the lighthouse is away, how often a group asks it (or a new one) again
 
 
 def quiet_torchft() -> None:
@@ -110,10 +113,8 @@ def check_lighthouse(cfg: RunConfig) -> None:
     the page a lighthouse serves at ``/``, is missing)."""
     address = lighthouse_address(cfg)
     start = "start one (ddptrain lighthouse) or give its address"
-    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # (not through an HTTP proxy)
     try:
-        with direct.open(address.rstrip("/") + "/", timeout=LIGHTHOUSE_CHECK_S) as answer:
-            page = answer.read(4096).decode(errors="replace")
+        page = read_dashboard(address, timeout_s=LIGHTHOUSE_CHECK_S)
     except urllib.error.HTTPError as error:  # it answered, with an error: no lighthouse's dashboard
         page = f"HTTP {error.code}"
     except (OSError, ValueError) as error:
@@ -170,6 +171,9 @@ class ReplicaGroups:
         self.healed = False
         self.committed = True  # the last step was taken by every member
         self.samples_skipped = 0
+        self.watch = LighthouseWatch(self.address, info, cfg.timeout) if ctx.is_main else None
+        # (every rank wrote its pid file before the process group formed)
+        self.siblings = SiblingWatch(RunDir.of(cfg.run_dir).local / "pids", ctx.rank) if ctx.world_size > 1 else None
 
     def _manager(self, cfg: RunConfig, ctx: DistContext, state_dict: Callable[[], dict[str, Any]],
                  address: str) -> Any:
@@ -182,6 +186,10 @@ class ReplicaGroups:
             use_async_quorum=False, replica_id=self.replica_id, lighthouse_addr=address,
             rank=ctx.rank, world_size=ctx.world_size, timeout=timeout, quorum_timeout=timeout,
             connect_timeout=timedelta(seconds=30),
+            # torchft gives up on a quorum at once when the lighthouse is gone (and the quorum then
+            # hangs until --timeout): asked again every QUORUM_RETRY_S, reconnecting each time, a
+            # group finds a lighthouse restarted on the address and trains on
+            quorum_retries=max(1, round(cfg.timeout / QUORUM_RETRY_S)),
             # a recovering group receives the live state through the groups' own process group
             checkpoint_transport=PGTransport(self.pg, timeout=timeout, device=ctx.device),
             init_sync=False,  # ddptrain seeds the initial weights: every group starts with the same
@@ -201,8 +209,7 @@ class ReplicaGroups:
         groups taking its last step; None otherwise, or when the dashboard cannot tell (then the
         group joins and waits as always)."""
         try:
-            with urllib.request.urlopen(f"{self.address.rstrip('/')}/status", timeout=LIGHTHOUSE_CHECK_S) as page:
-                status = page.read().decode(errors="replace")
+            status = read_dashboard(self.address, "/status", timeout_s=LIGHTHOUSE_CHECK_S)
         except (OSError, ValueError):
             return None
         job = self.replica_id.split(".", 1)[1]
@@ -230,7 +237,7 @@ class ReplicaGroups:
         # torchft's step is ddptrain's: the group furthest on (after a whole-job restart from
         # snapshots of different steps too) is the one the others heal from
         self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
-        self.manager.start_quorum()
+        self._quorum(step)
         if not self.started and not self.healed:  # (a group that healed found the others)
             self._wait_for_every_group(resumed=step > 0)
         self.started = True
@@ -262,7 +269,26 @@ class ReplicaGroups:
                                   f"replica groups reached the lighthouse within --timeout {self.timeout_s:g} s; "
                                   "start every group with the same --lighthouse, or lower --replica-groups")
             time.sleep(0.1)
+            self._quorum(step=-1)
+
+    def _quorum(self, step: int) -> None:
+        """Join the quorum of the step after ``step`` (-1: the start's wait for every group)."""
+        if self.watch is not None:
+            self.watch.pending(step)
+        try:
             self.manager.start_quorum()
+        except TimeoutError as error:
+            try:  # (a quorum that timed out with the lighthouse answering is torchft's to tell)
+                read_dashboard(self.address, timeout_s=LIGHTHOUSE_CHECK_S)
+            except (OSError, ValueError):
+                raise LighthouseLost(
+                    f"the lighthouse at {self.address} did not answer for --timeout {self.timeout_s:g} s; start it "
+                    "again on its address (under a supervisor, it comes back by itself: docs/fault-tolerance.md) and "
+                    "run the same command to resume") from None
+            raise error
+        finally:
+            if self.watch is not None:
+                self.watch.settled()
 
     def average(self, gradients: list[torch.Tensor], loss: torch.Tensor, step: int) -> torch.Tensor:
         """The gradients and the loss of step ``step``, averaged over the groups of the quorum
@@ -311,4 +337,7 @@ class ReplicaGroups:
         self.samples_skipped = int(state.get("samples_skipped", 0))
 
     def close(self) -> None:
+        for watch in (self.watch, self.siblings):
+            if watch is not None:
+                watch.close()
         self.manager.shutdown(wait=False)
