@@ -65,3 +65,10 @@ def test_heartbeats_are_a_twentieth_of_the_timeout_between_the_verdict_period_an
 
     assert beat_period(300.0) == 5.0 and beat_period(60.0) == 3.0  # the default --timeout: a tenth of the load
     assert beat_period(4.0) == PERIOD_S and beat_period(3600.0) == 5.0  # tests' short timeouts; never slower
+
+
+def test_a_store_unanswered_for_the_timeout_between_10_and_30_s_counts_as_lost():
+    from ddptrain.resilience.watchdog import store_silent_s
+
+    assert store_silent_s(300.0) == 30.0 and store_silent_s(20.0) == 20.0  # the default: half a minute
+    assert store_silent_s(4.0) == 10.0  # a short --timeout never mistakes a busy store for a lost one

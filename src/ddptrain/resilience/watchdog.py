@@ -45,6 +45,16 @@ BEAT_SHARE, MAX_BEAT_S = 20, 5.0  # heartbeats every --timeout / 20, at most eve
 STACK_WAIT_S = 5.0  # how long the judge waits for the culprits' stacks
 CONFIG_ERROR_GRACE_S = 3.0  # a configuration error usually hits every rank: let them return it
 STORE_LOSS_GRACE_S = 2.0  # the store's host (rank 0) may simply have finished first
+STORE_SILENT_S = (10.0, 30.0)  # a store call unanswered for --timeout, within these bounds: the store is gone
+
+
+def store_silent_s(timeout_s: float) -> float:
+    """How long a call on the job's store may go unanswered before the store counts as lost.
+    torch's TCPStore client waits forever for a server that accepts and never answers (its
+    timeout bounds waiting for a key, not for an answer): a SIGSTOPped rank 0, or its frozen
+    machine, left every other rank hanging, and the hang judge is rank 0's."""
+    low, high = STORE_SILENT_S
+    return min(max(timeout_s, low), high)
 
 
 def beat_period(timeout_s: float, period_s: float = PERIOD_S) -> float:
@@ -77,6 +87,7 @@ class Watchdog(CollectiveMarks):
         self.board: Board | None = None
         self.thread: threading.Thread | None = None
         self.seen: dict[int, tuple[Heartbeat | None, float]] = {}  # the judge's view: rank -> (beat, since)
+        self.calling_since: float | None = None  # when the thread's pending round of store calls began
 
     # --- called by the training loop -------------------------------------------------------
     def arrive(self, label: str, step: int | None = None, timed: bool = True) -> None:
@@ -109,6 +120,7 @@ class Watchdog(CollectiveMarks):
             self.board = Board(*self.address, self.rank, self.world_size)
             self.thread = threading.Thread(target=self._run, name="ddptrain-watchdog", daemon=True)
             self.thread.start()
+            threading.Thread(target=self._watch_store, name="ddptrain-store-silence", daemon=True).start()
         return self
 
     def stop(self) -> None:
@@ -148,6 +160,7 @@ class Watchdog(CollectiveMarks):
         board, published, marks, last_beat = self.board, None, None, -float("inf")
         assert board is not None
         while not self.finished.wait(self.period_s):
+            self.calling_since = time.monotonic()
             try:
                 due = time.monotonic() - last_beat >= self.beat_period_s
                 last_beat = time.monotonic() if due else last_beat
@@ -168,12 +181,21 @@ class Watchdog(CollectiveMarks):
                     self._judge()
             except Exception as error:  # noqa: BLE001 - any store failure means the same
                 self._lost_store(error)
+            self.calling_since = None
+
+    def _watch_store(self) -> None:
+        """A second thread: the first one's store calls must end (see store_silent_s)."""
+        silent_s = store_silent_s(self.timeout_s)
+        while not self.finished.wait(1.0):
+            since = self.calling_since
+            if since is not None and not self.acting.is_set() and time.monotonic() - since > silent_s:
+                self._lost_store(TimeoutError(f"it did not answer for {silent_s:g} s"))
 
     def _lost_store(self, error: Exception) -> None:
         if self.finished.wait(STORE_LOSS_GRACE_S):
             return  # rank 0 finished and took the store with it: nothing is wrong
-        record_error(PeerFailed(f"rank {self.rank} lost the job's store ({error}): rank 0 or the "
-                                "launcher has gone"))
+        record_error(PeerFailed(f"rank {self.rank} lost the job's store ({error}): rank 0 or the launcher has "
+                                "gone, or is frozen (stopped, or its machine unreachable)"))
         self.board = None
         hard_exit(1)
 
