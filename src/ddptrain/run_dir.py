@@ -134,6 +134,10 @@ class RunDir:
             os.replace(self.local / name, target / name)
         return str(target)
 
+    def holds(self, name: str) -> bool:
+        """Whether the run dir holds the file ``name`` (a store's: in its mirror or in the store)."""
+        return (self.local / name).exists()
+
     def readable(self, snapshots: bool = False) -> Path:
         """A folder holding the run to read (``ddptrain report``, ``export``): this one."""
         return self.local
@@ -257,6 +261,9 @@ class StoreRunDir(RunDir):
     def remove(self, name: str) -> None:
         if self._store.exists(self._path(name)):
             self._store.rm(self._path(name), recursive=True)
+
+    def holds(self, name: str) -> bool:
+        return super().holds(name) or name in self.names()  # (another machine's mirror may hold it)
 
     def names(self, folder: str = "") -> list[str]:
         """The names directly under ``folder`` (files and folders)."""

@@ -145,6 +145,23 @@ def test_a_run_dir_on_a_store_is_held_by_one_job_at_a_time(s3_server, tmp_path, 
     assert not s3_server.filesystem().exists("held/run/.hold")
 
 
+def test_a_file_only_the_store_holds_is_in_the_run_dir_for_a_machine_whose_mirror_lacks_it(s3_server, tmp_path,
+                                                                                           monkeypatch):
+    """(A fresh start keeps the timeline of an attempt killed before its first snapshot only when
+    the run never finished: no model.pt, asked of the store as well as of this machine's mirror.)"""
+    from ddptrain.run_dir import StoreRunDir
+
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("DDPTRAIN_CACHE", str(tmp_path / "another-machine"))
+    url = s3_server.bucket("holds") + "/run"
+    home = StoreRunDir(url)
+    home.create()
+    s3_server.filesystem().pipe_file("holds/run/model.pt", b"weights")
+    assert home.holds("model.pt") and not (home.local / "model.pt").exists()
+    assert not home.holds("metrics.jsonl")
+
+
 def test_report_and_export_read_a_run_on_the_store_as_its_mirror(s3_server, tmp_path, monkeypatch, capsys):
     from ddptrain.cli import main
     from ddptrain.run_dir import RunDir

@@ -133,12 +133,7 @@ class Checkpointer:
         """Rank 0's clock (agreed by every rank through resilience/stop_signals.StopSignal)."""
         if not self.cfg.save_seconds:
             return False
-        interval = self.interval_s()
-        if self.cfg.mttf_hours and self.cost_s and not self.told_interval:
-            self.told_interval = True
-            say(f"ddptrain: snapshots every {interval:.3g} s of training from now (--mttf-hours "
-                f"{self.cfg.mttf_hours:g}: Young's interval for a snapshot that blocks {self.cost_s:.3g} s)")
-        return time.perf_counter() - self.last_saved_at >= interval
+        return time.perf_counter() - self.last_saved_at >= self.interval_s()
 
     def interval_s(self) -> float:
         """Seconds of training between snapshots by time: --save-seconds, stretched so snapshots
@@ -188,6 +183,10 @@ class Checkpointer:
         self.saved_progress = dict(self.states["progress"].state_dict()) if "progress" in self.states else {}
         self.last_saved_at = time.perf_counter()
         self.cost_s = max(self.cost_s, self.last_saved_at - started)
+        if self.cfg.mttf_hours and self.cfg.save_seconds and self.ctx.is_main and not (self.told_interval or last):
+            self.told_interval = True  # (the first snapshot's cost is known: the interval it sets, said once)
+            say(f"ddptrain: snapshots every {self.interval_s():.3g} s of training from now (--mttf-hours "
+                f"{self.cfg.mttf_hours:g}: Young's interval for a snapshot that blocks {self.cost_s:.3g} s)")
 
     def _gather_per_rank(self, global_step: int) -> dict[str, list[Any]]:
         """Every rank's per-rank states, as lists by rank on rank 0 (which writes them)."""

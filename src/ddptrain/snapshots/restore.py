@@ -144,9 +144,10 @@ def _choose(cfg: RunConfig, home: RunDir) -> Snapshot | dict[str, str] | None:
     if found is None:
         # An attempt killed before its first snapshot (no snapshot, no model.pt) is this run's
         # first attempt: its timeline stays, so goodput counts its steps as redone.
-        unfinished = cfg.resume == "auto" and not (home.local / "model.pt").exists()
-        keep = (TIMELINE,) if unfinished else ()
-        moved = _from_store(home, lambda: home.move_aside(time.strftime("%Y%m%d-%H%M%S"), keep))
+        def move_aside() -> str | None:
+            unfinished = cfg.resume == "auto" and not home.holds("model.pt")
+            return home.move_aside(time.strftime("%Y%m%d-%H%M%S"), (TIMELINE,) if unfinished else ())
+        moved = _from_store(home, move_aside)
         if moved is not None:
             say(f"ddptrain: a fresh start in {home}: moved the earlier run's files to {moved}")
         return None
