@@ -94,7 +94,8 @@ def test_rank_0_frozen_is_named_within_the_timeout_and_the_job_ends(tmp_path):
     not for an answer), and the hang judge is rank 0's own thread: the job hung silently (400 s,
     measured, with --timeout 20). Now rank 1 says in a line within --timeout (10 s) that it lost
     the store, and the launcher ends the frozen rank (its 30 s grace, then SIGKILL): exit 1, a
-    few lines, nothing left running. (43 s measured.)"""
+    few lines, nothing left running (43 s measured). A freeze shorter than --timeout first: the
+    job trains on."""
     run_dir = tmp_path / "run"
     job = subprocess.Popen([str(BIN / "ddptrain"), "train", "--task", TASKS + "slow_steps", "--nproc", "2",
                             "--max-epochs", "20", "--timeout", "10", "--run-dir", str(run_dir)],
@@ -108,7 +109,12 @@ def test_rank_0_frozen_is_named_within_the_timeout_and_the_job_ends(tmp_path):
             time.sleep(0.1)
         time.sleep(3)  # a few steps
         pids = _rank_pids(run_dir)
-        os.kill(pids[0], signal.SIGSTOP)
+        os.kill(pids[0], signal.SIGSTOP)  # frozen for 5 s (less than --timeout), then thawed: no harm done
+        time.sleep(5)
+        os.kill(pids[0], signal.SIGCONT)
+        time.sleep(3)
+        assert job.poll() is None, job.communicate()
+        os.kill(pids[0], signal.SIGSTOP)  # frozen for good
         frozen_at = time.monotonic()
         out, err = job.communicate(timeout=150)
         ended_s = time.monotonic() - frozen_at
