@@ -5,6 +5,7 @@ the groups' side: whether it answers (its dashboard), and a line when it stops a
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import threading
@@ -13,6 +14,12 @@ import urllib.request
 from collections.abc import Callable
 
 from ..errors import ConfigError
+
+
+def quiet_torchft() -> None:
+    """torchft's Rust core logs a few INFO lines per step (quorums, commits) unless RUST_LOG says
+    otherwise: warnings only, before it is imported (RUST_LOG set by the user wins)."""
+    os.environ.setdefault("RUST_LOG", "warn")
 
 
 def check(bind: str, min_replicas: int, heartbeat_timeout_ms: int, join_timeout_ms: int) -> tuple[str, int]:
@@ -43,8 +50,6 @@ def check(bind: str, min_replicas: int, heartbeat_timeout_ms: int, join_timeout_
 def serve(bind: str, min_replicas: int, heartbeat_timeout_ms: int, join_timeout_ms: int) -> int:
     """Run the lighthouse until SIGINT or SIGTERM; 0."""
     host, port = check(bind, min_replicas, heartbeat_timeout_ms, join_timeout_ms)
-    from .replicas import quiet_torchft
-
     quiet_torchft()
     from torchft.coordination import LighthouseServer
 

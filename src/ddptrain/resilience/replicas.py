@@ -57,19 +57,13 @@ from ..comm import DistContext, broadcast_object
 from ..config import RunConfig
 from ..errors import ConfigError, LighthouseLost
 from ..run_dir import RunDir
-from .lighthouse import LighthouseWatch, read_dashboard
+from .lighthouse import LighthouseWatch, quiet_torchft, read_dashboard
 from .siblings import SiblingWatch
 
 # The lighthouse's dashboard, /status: a member of the last quorum and the step it joined for
 QUORUM_MEMBER = re.compile(r"<b>(group\d+\.[0-9a-f]+):[^<]*</b>\s*<br/>\s*Step:\s*(\d+)")
 RESUMED_WAIT_S = 60.0  # a resumed start's wait for the other groups (a whole-job restart's are not far behind)
 QUORUM_RETRY_S = 1.0  # while the lighthouse is away, how often a group asks it (or a new one) again
-
-
-def quiet_torchft() -> None:
-    """torchft's Rust core logs a few INFO lines per step (quorums, commits) unless RUST_LOG says
-    otherwise: warnings only, before it is imported (RUST_LOG set by the user wins)."""
-    os.environ.setdefault("RUST_LOG", "warn")
 
 
 def torchft_logs_to(path: Path) -> None:
