@@ -33,10 +33,11 @@ HEARTBEAT_MS = 3000  # the kill test's lighthouse: a group silent this long coun
 ARGS = ["--fault-tolerance", "torchft", "--replica-groups", "2", "--batch-size", "16"]
 
 
-def _start_lighthouse(port: int, heartbeat_ms: int) -> subprocess.Popen:
+def _start_lighthouse(port: int, heartbeat_ms: int, min_replicas: int = 1) -> subprocess.Popen:
     """`ddptrain lighthouse` on 127.0.0.1:``port``, once it said where it listens."""
     server = subprocess.Popen([str(BIN / "ddptrain"), "lighthouse", "--bind", f"127.0.0.1:{port}",
-                               "--heartbeat-timeout-ms", str(heartbeat_ms), "--join-timeout-ms", "1000"],
+                               "--heartbeat-timeout-ms", str(heartbeat_ms), "--join-timeout-ms", "1000",
+                               "--min-replicas", str(min_replicas)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     ready, _, _ = select.select([server.stdout], [], [], 120)  # its first line, or the test fails
     first = server.stdout.readline() if ready else "(nothing within 120 s)"  # type: ignore[union-attr]
@@ -310,7 +311,7 @@ def _lighthouse_killed(tmp_path: Path, restart_after_s: float | None, *options: 
     """Two groups train; at group 0's 20th loss their lighthouse is SIGKILLed, and started again
     on its address ``restart_after_s`` later (None: never). The groups, and when it was killed."""
     port, steps = free_port(), tmp_path / "group-0.steps"
-    server = _start_lighthouse(port, 5000)
+    server = _start_lighthouse(port, 5000, min_replicas=2)  # (why: the restart test's docstring)
     address = f"http://127.0.0.1:{port}"
     pair = [_group(address, g, tmp_path / f"group-{g}", "--task", "ft_tasks:kill_paced", "--nproc", "1", *options,
                    STEP_SLEEP="0.05", **({"STEP_LOG": str(steps)} if g == 0 else {})) for g in (0, 1)]
@@ -324,7 +325,7 @@ def _lighthouse_killed(tmp_path: Path, restart_after_s: float | None, *options: 
         killed_at = time.monotonic()
         if restart_after_s is not None:
             time.sleep(restart_after_s)
-            server = _start_lighthouse(port, 5000)  # (the killed one's connections still linger)
+            server = _start_lighthouse(port, 5000, min_replicas=2)  # (the killed one's connections still linger)
         for process in pair:
             finish(process, 240)
         return pair, killed_at
@@ -339,7 +340,10 @@ def test_a_lighthouse_killed_and_started_again_on_its_address_is_rejoined_and_bo
     a line that it stopped answering and that it answers again, and both train to the end with
     bitwise equal models (torchft gave up on the quorum at once and then hung for --timeout,
     300 s, ignoring the new lighthouse; `ddptrain lighthouse` refused the address while the
-    killed one's connections lingered)."""
+    killed one's connections lingered). The lighthouse wants both groups in every quorum
+    (--min-replicas 2): with 1, the group that reaches the new lighthouse first trains a step
+    alone and the other heals from it, a live group's heal that failed once under load (the
+    healing group exits; its launcher's --max-restarts brings it back)."""
     pair, _ = _lighthouse_killed(tmp_path, 10.0, "--max-epochs", "2")
     for group, process in enumerate(pair):
         log = (tmp_path / f"group-{group}.log").read_text()

@@ -128,6 +128,42 @@ def data_context(cfg: RunConfig, ctx: DistContext) -> DistContext:
     return dataclasses.replace(ctx, rank=group * ctx.world_size + ctx.rank, world_size=groups * ctx.world_size)
 
 
+def _quorum_keyed(base: type) -> type:
+    """torchft's process group, its store keys unique to each quorum.
+
+    torchft rendezvouses the groups' process group under ``torchft/<quorum id>/`` in the store
+    of a quorum's member, and its ``configure`` must never see the same prefix twice. A
+    lighthouse restarted mid-run numbers its quorums from 1 again: a group that had lived
+    through the old ones found their keys (the addresses of a group long gone) and hung in the
+    rendezvous for --timeout (seen once under load: one group took the new lighthouse's first
+    quorum alone, the second quorum reused the old second's keys). The prefix also carries a
+    digest of the quorum's members and its step (``_QuorumSeen``), the same on every member."""
+
+    class QuorumKeyed(base):
+        quorum_key = ""  # set from the quorum torchft's Manager received, before it configures
+
+        def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
+            super().configure(f"{store_addr}/{self.quorum_key}" if self.quorum_key else store_addr, *args, **kwargs)
+
+    return QuorumKeyed
+
+
+class _QuorumSeen:
+    """torchft's ManagerClient, noting each quorum's members and step for the process group."""
+
+    def __init__(self, client: Any, pg: Any) -> None:
+        self._client, self._pg = client, pg
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        seen = f"{quorum.max_step}|{','.join(sorted(quorum.replica_ids))}"
+        self._pg.quorum_key = hashlib.sha256(seen.encode()).hexdigest()[:12]
+        return quorum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
 class ReplicaGroups:
     """This rank's part in the groups' per-step agreement (torchft's Manager)."""
 
@@ -149,10 +185,11 @@ class ReplicaGroups:
         self.replica_id = f"group{cfg.replica_group}.{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
         self._load_state = load_state_dict
         self.timeout_s = cfg.timeout
-        self.pg = ProcessGroupGloo(timeout=timedelta(seconds=cfg.timeout))
+        self.pg = _quorum_keyed(ProcessGroupGloo)(timeout=timedelta(seconds=cfg.timeout))
         address = self.address
         try:
             self.manager = self._manager(cfg, ctx, state_dict, address)
+            self.manager._client = _QuorumSeen(self.manager._client, self.pg)
         except RuntimeError as error:
             if "failed to connect" not in str(error):
                 raise
