@@ -22,6 +22,7 @@ from helpers.commands import (
     assert_same_weights,
     clean_env,
     ddptrain_cli,
+    finish,
     fit,
     kill_tree,
     load_model,
@@ -105,7 +106,7 @@ def test_rank_0_frozen_is_named_within_the_timeout_and_the_job_ends(tmp_path):
     try:
         deadline = time.monotonic() + 120
         while not (rank_0.exists() and (run_dir / "logs" / "rank-1.stderr").exists()):
-            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            assert job.poll() is None and time.monotonic() < deadline, finish(job, 10)
             time.sleep(0.1)
         time.sleep(3)  # a few steps
         pids = _rank_pids(run_dir)
@@ -113,7 +114,7 @@ def test_rank_0_frozen_is_named_within_the_timeout_and_the_job_ends(tmp_path):
         time.sleep(5)
         os.kill(pids[0], signal.SIGCONT)
         time.sleep(3)
-        assert job.poll() is None, job.communicate()
+        assert job.poll() is None, finish(job, 10)
         os.kill(pids[0], signal.SIGSTOP)  # frozen for good
         frozen_at = time.monotonic()
         out, err = job.communicate(timeout=150)

@@ -39,7 +39,7 @@ LAUNCHER = textwrap.dedent("""
                               "TORCHELASTIC_ERROR_FILE": f"{sys.argv[2]}/error-{r}.json"}) for r in (0, 1)]
     print(" ".join(str(p.pid) for p in ranks), flush=True)
     print(ranks[0].stdout.readline().strip(), flush=True)
-    print(ranks[0].wait(), flush=True)
+    print(ranks[0].wait(timeout=60), flush=True)
 """)
 
 
@@ -71,7 +71,7 @@ def test_a_sibling_sigkilled_ends_the_rank_within_seconds_with_a_report(tmp_path
         assert "PeerFailed: rank 1 of this replica group died" in json.dumps(report), report
     finally:
         os.killpg(launcher.pid, signal.SIGKILL)
-        launcher.wait()
+        launcher.wait(timeout=30)
 
 
 def test_a_sibling_that_returned_is_no_death(tmp_path):
@@ -83,4 +83,4 @@ def test_a_sibling_that_returned_is_no_death(tmp_path):
         assert alive(rank0) and not (tmp_path / "pids" / "error-0.json").exists()
     finally:
         os.killpg(launcher.pid, signal.SIGKILL)
-        launcher.wait()
+        launcher.wait(timeout=30)
