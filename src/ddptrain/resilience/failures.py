@@ -109,12 +109,20 @@ def kill_children() -> None:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as stat:
-                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])  # the name, in (), may hold spaces
-            if ppid == me:
+            if parent_of(int(entry)) == me:  # (a zombie is dead already)
                 os.kill(int(entry), signal.SIGKILL)
-        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to signal
+        except OSError:  # gone meanwhile, or not ours to signal
             continue
+
+
+def parent_of(pid: int) -> int | None:
+    """The pid's parent, or None when it is gone or a zombie (dead, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()  # (the name, in parentheses, may hold spaces)
+        return None if fields[0] in ("Z", "X") else int(fields[1])
+    except (OSError, IndexError, ValueError):  # gone, or not Linux's /proc
+        return None
 
 
 @dataclass

@@ -21,17 +21,7 @@ import threading
 from pathlib import Path
 
 from ..errors import PeerFailed
-from .failures import hard_exit, record_error
-
-
-def parent_of(pid: int) -> int | None:
-    """The pid's parent, or None when it is gone or a zombie (dead, not yet reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()  # (the name, in parentheses, may hold spaces)
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in ("Z", "X") else int(fields[1])
+from .failures import hard_exit, parent_of, record_error
 
 
 class SiblingWatch:
