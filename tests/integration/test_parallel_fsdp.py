@@ -1,6 +1,7 @@
 """--strategy fsdp (FSDP2): the same training as ddp, sharded state, DCP snapshots that resume
 exactly, load across strategies and world sizes, and less memory."""
 
+import json
 import sys
 
 import pytest
@@ -138,3 +139,14 @@ def test_clipping_under_fsdp_uses_the_norm_over_every_shard(runs, tmp_path):
     assert_same_weights(clipped, load_model(tmp_path / "ddp"))
     assert not torch.equal(clipped["0.weight"], load_model(runs / "fsdp")["0.weight"])  # clipping acted
     assert all(r["grad_norm_max"] > 0.5 for r in read_metrics(tmp_path / "fsdp"))  # the norm before clipping
+
+
+def test_fsdp_bf16_computes_in_bf16_and_hands_the_loss_an_fp32_output(tmp_path):
+    """FSDP's mixed precision casts the weights for the forward; the output the loss gets is fp32,
+    as under DDP's autocast (CUDA's mse_loss backward refuses a bf16 output beside fp32 targets:
+    found on an H200 by benchmarks/gpu_check.sh)."""
+    fit(TASKS + "dtypes_seen", tmp_path / "run", env={"DTYPES_SEEN": str(tmp_path)}, strategy="fsdp",
+        precision="bf16", max_epochs=1)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank-{rank}.json").read_text()) == {
+            "weight": "torch.bfloat16", "output": "torch.float32"}

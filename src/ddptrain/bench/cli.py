@@ -50,12 +50,13 @@ SKIP_JOBS = ("tutorial", "mlp")  # the jobs the per-step variants run on
 DEFAULT_EPOCHS = {"tutorial": 60, "mlp": 3, "gpt2": 10, "fsdp": 2}  # E: the longer command's extra epochs
 
 
-def command(contender: str, job: Job, nproc: int, epochs: int, out: str) -> list[str]:
+def command(contender: str, job: Job, nproc: int, epochs: int, out: str, device: str = "cpu") -> list[str]:
     python = sys.executable
     if contender.startswith("ddptrain"):
         return [python, "-m", "ddptrain", "train", "--task", "ddptrain.bench.jobs:bench_task", "--nproc", str(nproc),
                 "--max-epochs", str(epochs), "--batch-size", str(job.batch), "--run-dir", out, "--resume", "never",
-                "--no-progress", *(["--strategy", "fsdp"] if job.sharded else []),
+                "--no-progress", "--device", device,
+                *(["--strategy", "fsdp"] if job.sharded else []),
                 *PER_STEP.get(contender, [])]
     loop = ["-m", "ddptrain.bench.loops", "--loop", contender, "--job", job.name, "--epochs", str(epochs), "--out", out]
     if contender == "accelerate":  # Accelerate's multi-process CPU runs are torchrun's (it sets the world size)
@@ -75,7 +76,8 @@ def run_once(contender: str, job: Job, nproc: int, epochs: int, env: dict[str, s
             clock = Path(out) / "clock.json"
             steps = epochs * job.steps_per_epoch(nproc, smoke=bool(env.get("DDPTRAIN_BENCH_SMOKE")))
             started = time.perf_counter()
-            done = subprocess.run(command(contender, job, nproc, epochs, out), capture_output=True, text=True,
+            device = env.get("DDPTRAIN_BENCH_DEVICE", "cpu")
+            done = subprocess.run(command(contender, job, nproc, epochs, out, device), capture_output=True, text=True,
                                   env={**env, **CONTENDER_ENV.get(contender, {}), "DDPTRAIN_BENCH_JOB": job.name,
                                        "DDPTRAIN_BENCH_CLOCK": str(clock), "DDPTRAIN_BENCH_STEPS": str(steps)})
             wall = time.perf_counter() - started
@@ -252,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contenders", default=None, help="comma-separated subset of loop, loop-grad-norm, "
                         "ddptrain, ddptrain-skip, ddptrain-ema (and lightning, accelerate with --peers; "
                         "ddptrain-no-fr, by name only); default: all but ddptrain-no-fr")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every contender trains: "
+                        "cuda is one GPU per rank and nccl (default cpu, gloo)")
     parser.add_argument("--smoke", action="store_true", help="tiny data, 1-epoch commands only: checks the plumbing")
     parser.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png")
     parser.add_argument("--floor", action="store_true", help="instead: the start-up floor of a CPU job here (import "
@@ -271,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         epochs = {**DEFAULT_EPOCHS, **{k: int(v) for k, v in (p.split("=") for p in args.epochs.split(",") if p)}}
     except ValueError:
         parser.error(f"--epochs {args.epochs}: give JOB=E pairs, e.g. tutorial=60,mlp=3")
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "DDPTRAIN_BENCH_DEVICE": args.device}
     if args.smoke:
         epochs = {job: 0 for job in epochs}
         env["DDPTRAIN_BENCH_SMOKE"] = "1"
@@ -288,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"--contenders: unknown {', '.join(unknown)}")
         contenders = [c for c in (*contenders, *BY_NAME) if c in wanted]
-    print(f"ddptrain bench: {args.reps} rep(s) of {jobs} at {args.nproc} ranks, contenders {contenders}, "
+    print(f"ddptrain bench: {args.reps} rep(s) of {jobs} at {args.nproc} ranks on {args.device}, "
+          f"contenders {contenders}, "
           f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, {os.cpu_count()} CPUs", flush=True)
     runs = measure(contenders, jobs, args.nproc, args.reps, epochs, env, log=lambda m: print(m, flush=True))
     rows = summarize(runs)

@@ -60,6 +60,12 @@ class Job:
         return -(-self.size(smoke) // (self.batch * nproc))
 
 
+def bench_device(local_rank: int) -> torch.device:
+    """Where the contenders train: DDPTRAIN_BENCH_DEVICE (``ddptrain bench --device``), CPU unless set."""
+    kind = os.environ.get("DDPTRAIN_BENCH_DEVICE", "cpu")
+    return torch.device(kind, local_rank) if kind == "cuda" else torch.device(kind)
+
+
 def _mse(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     inputs, targets = batch
     return F.mse_loss(model(inputs), targets)

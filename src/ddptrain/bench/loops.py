@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .clock import clock
-from .jobs import JOBS, SEED, Job, blocks_of
+from .jobs import JOBS, SEED, Job, bench_device, blocks_of
 
 
 def _sampler_and_loader(job: Job, world: int, rank: int) -> tuple[DistributedSampler, DataLoader]:
@@ -79,20 +79,23 @@ def _loop_rank(rank: int, world: int, job_name: str, epochs: int, out: str, grad
 
     from ..observe.metrics import GradNorms
 
-    job, tick = JOBS[job_name], clock()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    job, tick, device = JOBS[job_name], clock(), bench_device(rank)
+    if device.type == "cuda":  # the tutorial's GPU loop: one GPU per rank, nccl, batches moved per step
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
     torch.manual_seed(SEED)
-    model = job.model()
+    model = job.model().to(device)
     if job.sharded:
         _shard(model)
     else:
-        model = DDP(model)
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = job.optimizer(model.parameters())
     sampler, loader = _sampler_and_loader(job, world, rank)
-    norms = GradNorms(torch.device("cpu"), len(loader), counts=job.sharded or rank == 0) if grad_norm else None
+    norms = GradNorms(device, len(loader), counts=job.sharded or rank == 0) if grad_norm else None
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         for batch in loader:
+            batch = [part.to(device, non_blocking=True) for part in batch]
             optimizer.zero_grad(set_to_none=True)
             tick()
             job.loss(model, batch).backward()
@@ -152,8 +155,8 @@ def run_lightning(job_name: str, nproc: int, epochs: int, out: str) -> None:
     else:
         strategy = "ddp"
     module = Module()
-    trainer = L.Trainer(accelerator="cpu", devices=nproc, strategy=strategy, max_epochs=epochs, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    trainer = L.Trainer(accelerator=bench_device(0).type, devices=nproc, strategy=strategy, max_epochs=epochs,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False)
     trainer.fit(module)
     weights = _whole_weights(module.model, job.sharded)
@@ -169,9 +172,9 @@ def run_accelerate(job_name: str, epochs: int, out: str) -> None:
     from accelerate import Accelerator
 
     job, tick = JOBS[job_name], clock()
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=bench_device(0).type == "cpu")
     torch.manual_seed(SEED)
-    model = job.model()
+    model = job.model().to(accelerator.device)
     sampler, loader = _sampler_and_loader(job, accelerator.num_processes, accelerator.process_index)
     if job.sharded:  # sharded by hand (see the module's docstring); Accelerate would wrap it in DDP
         _shard(model)
@@ -181,6 +184,7 @@ def run_accelerate(job_name: str, epochs: int, out: str) -> None:
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         for batch in loader:
+            batch = [part.to(accelerator.device, non_blocking=True) for part in batch]
             optimizer.zero_grad(set_to_none=True)
             tick()
             accelerator.backward(job.loss(model, batch))

@@ -149,6 +149,7 @@ class TrainBatches(_Batches):
         super().__init__(dataset, device, workers, collate_fn, fast_path)
         self.sampler = sampler
         self.order, self.start_step = torch.arange(0), 0
+        self.order_on_device = self.order
         if not self.fast_path:
             # A data set with set_epoch needs fresh workers each epoch to see the new epoch.
             persistent = workers > 0 and not hasattr(dataset, "set_epoch")
@@ -167,6 +168,9 @@ class TrainBatches(_Batches):
         with its own ``set_epoch`` (epoch-dependent augmentation) hears it too."""
         self.sampler.set_epoch(epoch)
         self.order, self.start_step = self.sampler.order(), start_step
+        # One copy an epoch: a copy from pageable memory waits for the GPU to finish what is queued
+        # (CUDA's rule), so a copy of each step's indices stopped the host at every step.
+        self.order_on_device = self.order.to(self.device) if self.fast_path else self.order
         self.generator.manual_seed(self.sampler.seed * 1_000_003 + epoch)  # workers' seeds: (seed, epoch)
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
@@ -183,10 +187,10 @@ class TrainBatches(_Batches):
 
     def steps(self) -> Iterator[list[tuple[Any, MicroBatch]]]:
         """The epoch's remaining optimizer steps, ``grad_accum`` micro-batches each."""
-        if self.fast_path:
+        if self.fast_path:  # indices sliced from the epoch's order on the device: no host sync a step
             pairs: Iterator[tuple[Any, MicroBatch]] = (
-                (tuple(t[micro.indices.to(self.device)] for t in self.tensors), micro)  # type: ignore[union-attr]  # likewise
-                for micro in self.plan())
+                (tuple(t[micro.indices] for t in self.tensors), micro)
+                for micro in self.sampler.micro_batches(self.order_on_device, self.start_step))
         else:
             pairs = zip(self._moved(self.loader), self.plan())
         while group := list(itertools.islice(pairs, self.sampler.grad_accum)):

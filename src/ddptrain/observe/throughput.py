@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,10 @@ class FlopCount:
             return
         from torch.utils.flop_counter import FlopCounterMode
 
-        with FlopCounterMode(display=False) as mode:
+        with FlopCounterMode(display=False) as mode, warnings.catch_warnings():
+            # The counter tracks modules with global hooks for this one step; torch.compile, met
+            # compiling its first forward here, warns that global hooks fire twice: not ours to fix.
+            warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks")
             yield
         self.per_step = int(mode.get_total_flops())
 

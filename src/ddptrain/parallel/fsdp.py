@@ -65,7 +65,12 @@ class FSDPStrategy(Strategy):
             fully_shard(block, mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=policy)
         # The root keeps its parameters gathered from forward to backward (torch's default for it:
         # the backward needs them at once); resharding it too cost an all-gather per micro-batch.
-        fully_shard(module, mesh=mesh, reshard_after_forward=None, mp_policy=policy)
+        # The model's output in fp32, as the loss sees it under DDP's autocast: the loss runs on the
+        # output and fp32 targets, and CUDA's mse_loss backward refuses a bf16 output beside fp32
+        # targets ("Found dtype Float but expected BFloat16", found on an H200; CPU's accepts it).
+        root_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=policy.reduce_dtype,
+                                           output_dtype=torch.float32 if dtype else None)
+        fully_shard(module, mesh=mesh, reshard_after_forward=None, mp_policy=root_policy)
         return torch.compile(module) if self.cfg.compile else module  # type: ignore[return-value]  # compile's stub says callable; a module's is one
 
     def mesh(self) -> DeviceMesh | None:
