@@ -224,6 +224,7 @@ class Trainer:
             preempted = outcome == "preempted"  # the grace period is short: the next start syncs the rest
             self.uploads.close(wait_s=min(upload_wait_s(), PREEMPTED_UPLOAD_WAIT_S) if preempted else None,
                                at_end=not preempted)
+        self.reporter.closed()  # after the trackers' and the uploads' waits: goodput's end counts them
         return outcome
 
     def train(self, max_epochs: int | None = None) -> str:

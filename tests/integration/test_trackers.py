@@ -193,6 +193,12 @@ def test_a_tracker_server_that_never_answers_holds_the_end_at_most_15_s_and_says
     assert ended - last_step < 15, f"{ended - last_step:.1f} s after the last record"
     assert "ddptrain: warning: waiting up to 10 s for mlflow (" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+    # goodput's end counts that wait: the timeline's last line, written once the trackers let go
+    from ddptrain.observe.goodput import account, read_timeline
+
+    closed = read_timeline(run_dir)[-1]
+    assert closed["e"] == "closed" and closed["t1"] - closed["t0"] >= 9, closed
+    assert account(read_timeline(run_dir))["end_s"] >= closed["t1"] - closed["t0"]
     from ddptrain.observe.tracking import metrics_of
 
     records = read_metrics(run_dir)

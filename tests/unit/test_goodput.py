@@ -29,14 +29,15 @@ def test_every_part_and_the_steps_a_later_attempt_redid():
         {**steps(14, 30, 31, 47), "w": 3},            # 3 s of it in torchft's quorum: waiting
         {"e": "eval", "step": 30, "t0": 47, "t1": 49},
         {"e": "end", "outcome": "finished", "t0": 49, "t1": 50},
+        {"e": "closed", "t0": 50, "t1": 52},          # the trackers' and uploads' waits after the summary
     ]
     found = account(events)
     assert found["attempts"] == 2 and found["steps_redone"] == 6
-    assert found["wall_s"] == 50
+    assert found["wall_s"] == 52
     assert {name: found[f"{name}_s"] for name in PARTS} == pytest.approx({
         "steps_kept": 10 + 4 + 13, "startup": 2 + 1, "steps_redone": 6, "snapshots": 1, "evaluations": 2,
-        "waiting": 2 + 3, "end": 1, "between_attempts": 5})
-    assert found["goodput"] == pytest.approx(27 / 50)
+        "waiting": 2 + 3, "end": 1 + 2, "between_attempts": 5})
+    assert found["goodput"] == pytest.approx(27 / 52)
 
 
 def test_no_timeline_is_unknown_and_a_cut_line_is_skipped(tmp_path):
@@ -55,10 +56,12 @@ def test_the_timeline_rewrites_one_line_per_stretch_of_steps(tmp_path):
         pass
     timeline.step_done(201)
     timeline.end("finished")
+    timeline.closed()
+    timeline.closed()  # once
     events = read_timeline(tmp_path)
-    assert [e["e"] for e in events] == ["start", "steps", "snapshot", "steps", "end"]
+    assert [e["e"] for e in events] == ["start", "steps", "snapshot", "steps", "end", "closed"]
     assert (events[1]["a"], events[1]["b"], events[3]["a"], events[3]["b"]) == (0, 200, 200, 201)
-    assert os.path.getsize(tmp_path / "timeline.jsonl") < 2 * SLOT + 600
+    assert os.path.getsize(tmp_path / "timeline.jsonl") < 2 * SLOT + 700
     found = account(events)
     assert sum(found[f"{name}_s"] for name in PARTS) == pytest.approx(found["wall_s"])
 

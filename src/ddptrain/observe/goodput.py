@@ -34,7 +34,7 @@ WRITE_EVERY_S = 0.02  # the resolution of a killed rank 0's last steps
 SLOT = 160  # bytes of the line a stretch of steps rewrites in place
 LAUNCHED_AT = "DDPTRAIN_LAUNCHED_AT"  # ddptrain's launcher's start: the attempt's, for its ranks
 PARTS = ("steps_kept", "startup", "steps_redone", "snapshots", "evaluations", "waiting", "end", "between_attempts")
-PART_OF = {"snapshot": "snapshots", "eval": "evaluations", "end": "end"}
+PART_OF = {"snapshot": "snapshots", "eval": "evaluations", "end": "end", "closed": "end"}
 UNKNOWN = "goodput: unknown (the run started before ddptrain wrote timeline.jsonl)"
 
 
@@ -59,6 +59,7 @@ class Timeline:
         self.slot: int | None = None  # where the open stretch's line is
         self.stretch: dict[str, Any] | None = None
         self.mark = 0.0  # where the last interval ended: the next one begins here
+        self.ended_at: float | None = None  # when end() wrote the attempt's end
         self.written = 0.0
         self.waited_s = 0.0  # waits inside the next step (torchft's quorum), not yet in a stretch
 
@@ -107,9 +108,21 @@ class Timeline:
         if self.fd is None:
             return
         self._close_stretch()
-        self._append({"e": "end", "outcome": outcome, "t0": self.mark, "t1": time.time()})
+        self.ended_at = time.time()
+        self._append({"e": "end", "outcome": outcome, "t0": self.mark, "t1": self.ended_at})
         os.close(self.fd)
         self.fd = None
+
+    def closed(self) -> None:
+        """The end's waits after the summary (the trackers' last sends, the uploads): a last
+        line, which ``ddptrain report`` counts in the end (the summary, printed before, cannot).
+        A run dir on a store gets it with the next start's upload, or ``ddptrain report URL --sync store``."""
+        if self.ended_at is None:
+            return
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps({"e": "closed", "t0": self.ended_at, "t1": time.time()},
+                                    separators=(",", ":")) + "\n")
+        self.ended_at = None
 
     def _close_stretch(self) -> None:
         if self.stretch is not None:
@@ -259,8 +272,8 @@ def plot_timeline(run_dir: Path) -> str | None:
             kind = event["e"]
             if kind == "steps":
                 kind = "steps_kept" if event["b"] <= kept_up_to else "steps_redone"
-            elif kind == "end":
-                kind = "waiting" if event["outcome"] == "failed" else "end"
+            elif kind in ("end", "closed"):
+                kind = "waiting" if event.get("outcome") == "failed" else "end"
             spans.append((kind, event["t0"], event["t1"]))
         for kind, t0, t1 in spans:
             ax.broken_barh([(t0 - origin, max(t1 - t0, 1e-3))], (row - 0.35, 0.7), color=COLOURS[kind])

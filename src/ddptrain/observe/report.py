@@ -173,6 +173,10 @@ class Reporter:
             self.info(plot_curves(self.run_dir) or f"curves: {self.run_dir / 'curves.png'}")
         self.close("finished", summary)
 
+    def closed(self) -> None:
+        """The run's end is over (trackers closed, uploads done): its last timeline line."""
+        self.timeline.closed()
+
     def close(self, status: str, summary: dict[str, Any] | None = None) -> None:
         """Close the trackers' runs (``status``: finished, stopped, failed), once."""
         self.timeline.end(status)
@@ -210,6 +214,9 @@ class NullReporter(Reporter):
         pass
 
     def close(self, status: str, summary: dict[str, Any] | None = None) -> None:
+        pass
+
+    def closed(self) -> None:
         pass
 
 
