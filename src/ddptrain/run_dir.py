@@ -338,11 +338,17 @@ class StoreRunDir(RunDir):
         return cut
 
     def pull_run_files(self, local: Path | None = None) -> None:
-        """The run's own files as the store has them (a file the store lacks goes locally too)."""
+        """The run's own files as the store has them (a file the store lacks goes locally too).
+        A mirror's timeline that only adds lines to the store's copy stays: its last line is
+        written after the end's last upload (observe/goodput.py), and goes up with the next."""
         local = local or self.local
         for name in RUN_FILES:
+            mine = (local / name).read_bytes() if name == TIMELINE and (local / name).is_file() else None
             if not self.get(name, local / name):
                 (local / name).unlink(missing_ok=True)
+            elif mine is not None and len(mine) > (local / name).stat().st_size \
+                    and mine.startswith((local / name).read_bytes()):
+                (local / name).write_bytes(mine)
 
     def check_visible(self, path: Path, rank: int) -> None:
         """Each machine's mirror is its own; the store's copy follows behind."""

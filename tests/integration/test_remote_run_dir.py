@@ -181,6 +181,18 @@ def test_report_and_export_read_a_run_on_the_store_as_its_mirror(s3_server, tmp_
     assert_same_weights(torch.load(tmp_path / "remote.pt", weights_only=True),
                         torch.load(tmp_path / "mirror.pt", weights_only=True), exact=True)
 
+    # goodput's last timeline line, written after the end's last upload: the mirror keeps it
+    # through the next start, and --sync store sends it
+    def stored_timeline() -> str:
+        return s3_server.filesystem().cat_file(url.removeprefix("s3://") + "/timeline.jsonl").decode()
+
+    ours = (mirror / "timeline.jsonl").read_text()
+    assert ours.rstrip().splitlines()[-1].startswith('{"e":"closed"') and ours.startswith(stored_timeline())
+    fit("regression", url, max_epochs=1)  # the same command again: already finished, the store's files pulled
+    assert (mirror / "timeline.jsonl").read_text() == ours
+    assert main(["report", url, "--sync", "store"]) == 0
+    assert stored_timeline() == ours
+
 
 # --- the store goes away: a proxy in front of the server is cut, the server and its data stay -----
 OUTAGE_TRAIN = ["train", "--task", TASKS + "slow_steps", "--nproc", "2", "--max-epochs", "3", "--save-every", "5",
