@@ -229,6 +229,13 @@ def test_a_slow_rank_is_named_in_the_straggler_report(tmp_path, capfd):
     assert set(record["stragglers"]) == {"1"} and record["stragglers"]["1"] >= 1.5
     assert summary["stragglers"].startswith("rank 1 (1/1 epochs")
     assert "stragglers" in capfd.readouterr().out
+    # goodput counts rank 0's wait for rank 1 (at least its extra data time) as waiting, not as steps
+    from ddptrain.observe.goodput import PARTS, account, read_timeline
+
+    found = account(read_timeline(tmp_path))
+    assert record["straggler_wait_s"] >= record["data_s"]["max"] - record["data_s"]["min"] - 0.5
+    assert found["waiting_s"] >= record["straggler_wait_s"] > 1, (found, record)
+    assert sum(found[f"{name}_s"] for name in PARTS) == pytest.approx(found["wall_s"], rel=0.01)
 
 
 @pytest.mark.slow

@@ -103,6 +103,13 @@ class Timeline:
             self._append({"e": kind, "step": step, "t0": self.mark, "t1": now})
             self.mark = now
 
+    def straggled(self, seconds: float, step: int) -> None:
+        """The ranks waited ``seconds`` for a straggler in the steps up to ``step`` (the epoch
+        record's figure): counted as waiting instead of as those steps."""
+        if self.fd is not None and seconds > 0:
+            now = time.time()
+            self._append({"e": "straggled", "s": seconds, "b": step, "t0": now, "t1": now})
+
     def end(self, outcome: str) -> None:
         """``outcome``: finished, stopped, failed. Once."""
         if self.fd is None:
@@ -213,6 +220,9 @@ def account(events: list[dict[str, Any]]) -> dict[str, Any] | None:
                 parts["steps_kept"] += seconds * kept
                 parts["steps_redone"] += seconds * (1 - kept)
                 redone_steps += max(event["b"] - max(kept_up_to, event["a"]), 0)
+            elif event["e"] == "straggled":  # inside steps already counted: moved to waiting
+                parts["waiting"] += event["s"]
+                parts["steps_kept" if event["b"] <= kept_up_to else "steps_redone"] -= event["s"]
             elif event["e"] == "end" and event["outcome"] == "failed":
                 parts["waiting"] += seconds  # from the last step to the failure's detection
             else:
@@ -270,6 +280,8 @@ def plot_timeline(run_dir: Path) -> str | None:
         spans = [("startup", attempt.begun, attempt.start["ready_t"])]
         for event in attempt.events:
             kind = event["e"]
+            if kind == "straggled":  # a sum inside the steps, not a span of its own
+                continue
             if kind == "steps":
                 kind = "steps_kept" if event["b"] <= kept_up_to else "steps_redone"
             elif kind in ("end", "closed"):

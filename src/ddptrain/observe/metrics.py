@@ -186,6 +186,8 @@ def timing_record(per_rank: list[list[float]]) -> dict[str, Any]:
     median = statistics.median_low(work)
     record["stragglers"] = {str(rank): round(w / median, 2) for rank, w in enumerate(work)
                             if median > 0 and w >= STRAGGLER_RATIO * median}
+    if record["stragglers"]:  # the others waited this long for the slowest: goodput's waiting
+        record["straggler_wait_s"] = round(max(work) - median, 4)
     return record
 
 

@@ -134,6 +134,8 @@ class Reporter:
     # --- records -------------------------------------------------------------------------------
     def log(self, record: dict[str, Any]) -> None:
         """One line of metrics.jsonl, a console line, and the trackers' copies (queued)."""
+        if record.get("straggler_wait_s"):
+            self.timeline.straggled(record["straggler_wait_s"], record["step"])
         self._record(record)
         self.info(console_line(record))
 
