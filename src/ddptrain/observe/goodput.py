@@ -123,7 +123,8 @@ class Timeline:
     def closed(self) -> None:
         """The end's waits after the summary (the trackers' last sends, the uploads): a last
         line, which ``ddptrain report`` counts in the end (the summary, printed before, cannot).
-        A run dir on a store gets it with the next start's upload, or ``ddptrain report URL --sync store``."""
+        On a store's run dir it stays in the mirror (run_dir.py's pull keeps it) and goes up with
+        the timeline's next upload, or ``ddptrain report URL --sync store``."""
         if self.ended_at is None:
             return
         with open(self.path, "a") as handle:
