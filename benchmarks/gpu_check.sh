@@ -17,9 +17,10 @@ mkdir -p "$OUT" "$RUNS"
 export PYTHONPATH="$PWD/src:$PWD/tests/helpers${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} PYTHONUNBUFFERED=1
 LOG="$OUT/log.txt"
-DDP=("$PY" -m ddptrain train --no-progress --resume never)
+TRAIN=("$PY" -m ddptrain train --no-progress)  # resumes (--resume auto): the restarted attempt's flags
 BENCH=()
-[ "$DEV" = cpu ] && DDP+=(--device cpu --nproc 1) && BENCH+=(--smoke)
+[ "$DEV" = cpu ] && TRAIN+=(--device cpu --nproc 1) && BENCH+=(--smoke)
+DDP=("${TRAIN[@]}" --resume never)
 
 # step NAME SECONDS CMD...: runs CMD with a time limit, its output into the log; one line here.
 step() {
@@ -67,9 +68,14 @@ kill_and_resume() {  # NAME TASK FLAGS...
     local name=$1 task=$2
     shift 2
     step "$name-whole" 180 "${DDP[@]}" --task "$task" --max-epochs 3 --save-every 20 --run-dir "$RUNS/$name-whole" "$@"
+    # The run dir emptied, then --resume auto: the check must see a resume, never a fresh start
+    # (its first run on an H200 passed --resume never, under which a restart then began again).
+    rm -rf "$RUNS/$name-killed" "$RUNS/$name-marker"
     KILL_RANK=0 KILL_STEP=50 KILL_MARKER="$RUNS/$name-marker" KILL_ONCE_SAVED="$RUNS/$name-killed/snapshots" \
-        step "$name-killed" 240 "${DDP[@]}" --task "$task" --max-epochs 3 --save-every 20 --max-restarts 1 \
+        step "$name-killed" 240 "${TRAIN[@]}" --task "$task" --max-epochs 3 --save-every 20 --max-restarts 1 \
         --run-dir "$RUNS/$name-killed" "$@"
+    [ -f "$RUNS/$name-marker" ] || echo "  NOT KILLED: the marker is missing"
+    sed -n "/^=== $name-killed/,\$p" "$LOG" | grep -m 1 "^resumed from\|fresh start" | cut -c1-200
     same_weights "$name-whole" "$name-killed"
 }
 part resume && kill_and_resume resume-fp32 ddptrain_test_tasks:kill_at_step

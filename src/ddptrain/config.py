@@ -132,7 +132,8 @@ class RunConfig:
                              "of --save-seconds, which times the first (0: off)", default=0.0)
     keep: int = _opt("snapshots kept in RUN_DIR/snapshots", default=2)
     resume: str = _opt("auto (newest complete snapshot in the run dir), never (a fresh start; an "
-                       "earlier run's files there are moved aside), or a snapshot path", default="auto")
+                       "earlier run's files there are moved aside; the job's own restarts resume its "
+                       "snapshots), or a snapshot path", default="auto")
 
     # --- speed, precision and numerics -------------------------------------------------
     precision: str = _opt("autocast precision", choices=("fp32", "bf16", "fp16"), default="fp32")

@@ -181,6 +181,21 @@ def test_a_fresh_start_in_a_used_folder_owns_it(tmp_path, capfd):
 
 
 @pytest.mark.slow
+def test_resume_never_is_the_jobs_first_start_and_its_restarts_resume_its_own_snapshots(tmp_path, uninterrupted,
+                                                                                        capfd):
+    """--resume never --max-restarts 1, rank 0 SIGKILLed at step 21: the restart resumes from the
+    job's own newest snapshot (it once began again at step 0), and moves nothing aside again."""
+    run_dir = tmp_path / "run"
+    fit("regression", run_dir, max_epochs=1, resume="never")  # an earlier run: moved aside once
+    fit(TASKS + "kill_at_step", run_dir, env=_kill_env(tmp_path, 0, 21), max_restarts=1, resume="never", **ARGS)
+    assert (tmp_path / "killed").exists()
+    out = capfd.readouterr().out
+    assert out.count("moved the earlier run's files to") == 1, out
+    assert f"resumed from {run_dir}/snapshots/step-" in out, out  # 20, or 15 if 20 was still being written
+    assert_same_weights(load_model(run_dir), uninterrupted, exact=True)
+
+
+@pytest.mark.slow
 def test_a_finished_run_says_where_its_model_is(tmp_path, capfd):
     from ddptrain.cli import main
 

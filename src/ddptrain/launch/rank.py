@@ -12,6 +12,7 @@ once (failures.hard_exit).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import os
@@ -167,6 +168,7 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
 
 def _run_rank(cfg: RunConfig, factory: TaskFactory | None, env: Environment, home: RunDir) -> Outcome:
     run_dir = home.local  # a store's run dir: this machine's mirror
+    cfg = own_restart(cfg)
     device_kind, backend = resolve_device_kind(cfg.device, cfg.backend, env.local_world_size)
     store = connect_store(env, cfg.timeout)
     global _watchdog
@@ -287,6 +289,22 @@ def finished_message(run_dir: str, cfg: RunConfig, epoch: int, step: int, model:
     done = f"already finished {what}; its model is {model}" if model else f"was stopped past {what}, before model.pt"
     return (f"{run_dir} holds a run that {done}. It reached {reached} at step {step}; to train it longer, pass "
             f"{advice}; to train afresh, pass --resume never or another --run-dir")
+
+
+def restarts_of_this_job() -> int:
+    """How many times this job's ranks were started again: torch elastic's restarts (ddptrain
+    train's launcher, torchrun), a Slurm requeue."""
+    counts = (os.environ.get(name, "") for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    return max((int(count) for count in counts if count.isdigit()), default=0)
+
+
+def own_restart(cfg: RunConfig) -> RunConfig:
+    """``--resume never`` is the job's first start: it moved an earlier run's files aside, and
+    a restart of the same job resumes from the snapshots the job wrote (else every restart began
+    again at step 0, and --max-restarts only redid the work)."""
+    if cfg.resume == "never" and restarts_of_this_job():
+        return dataclasses.replace(cfg, resume="auto")
+    return cfg
 
 
 def show_warnings_with_rank(rank: int) -> None:
