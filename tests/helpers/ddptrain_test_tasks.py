@@ -390,7 +390,8 @@ def host_syncs_counted(cfg) -> Task:
     import warnings
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
-        print(f"host sync at {filename}:{lineno}: {str(message).splitlines()[0]}", file=sys.stderr)
+        what = "host sync" if "synchronizing CUDA operation" in str(message) else category.__name__
+        print(f"{what} at {filename}:{lineno}: {str(message).splitlines()[0]}", file=sys.stderr)
 
     if torch.cuda.is_available():
         torch.cuda.set_sync_debug_mode("warn")
