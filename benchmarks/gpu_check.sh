@@ -84,7 +84,7 @@ part fsdp && kill_and_resume resume-fsdp-bf16 ddptrain_test_tasks:kill_at_step -
 
 if part syncs; then
 echo "== host syncs: CUDA's sync debug mode over 2 epochs of 64 steps (where each sync is asked for)"
-step host-syncs 120 "${DDP[@]}" --task ddptrain_test_tasks:host_syncs_counted --max-epochs 2 --run-dir "$RUNS/syncs"
+step host-syncs 120 "${DDP[@]}" --task precision_tasks:host_syncs_counted --max-epochs 2 --run-dir "$RUNS/syncs"
 sed -n '/^=== host-syncs/,/^=== /p' "$LOG" | grep -o "host sync at [^ ]*" | cut -d" " -f4 | sort | uniq -c | sort -rn | head -n 12
 
 fi

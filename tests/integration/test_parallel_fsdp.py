@@ -145,7 +145,7 @@ def test_fsdp_bf16_computes_in_bf16_and_hands_the_loss_an_fp32_output(tmp_path):
     """FSDP's mixed precision casts the weights for the forward; the output the loss gets is fp32,
     as under DDP's autocast (CUDA's mse_loss backward refuses a bf16 output beside fp32 targets:
     found on an H200 by benchmarks/gpu_check.sh)."""
-    fit(TASKS + "dtypes_seen", tmp_path / "run", env={"DTYPES_SEEN": str(tmp_path)}, strategy="fsdp",
+    fit("precision_tasks:dtypes_seen", tmp_path / "run", env={"DTYPES_SEEN": str(tmp_path)}, strategy="fsdp",
         precision="bf16", max_epochs=1)
     for rank in (0, 1):
         assert json.loads((tmp_path / f"rank-{rank}.json").read_text()) == {
