@@ -206,7 +206,9 @@ class Trainer:
         try:
             outcome = self._fit(exiting)
         except BaseException:
-            self.stop_signal.close(wait=False)  # a peer may never answer: leave at once
+            # A peer may never answer: leave at once. A rank process that ends after this keeps
+            # its SIGTERM handler: the launcher stops every rank once one has failed.
+            self.stop_signal.close(wait=False, restore=not exiting)
             self.checkpointer.close(wait=False)
             self.reporter.close("failed")
             if self.uploads is not None:

@@ -85,3 +85,11 @@ def test_a_killed_rank_torch_did_not_record_is_the_one_without_a_report_among_lo
     errors = {r: _error(r, "RuntimeError", reset, r) for r in range(4) if r != 2}
     assert root_cause(errors, killed={}, nproc=4) == 2
     assert root_cause(errors, killed={}).rank == 0  # without the count: the earliest, as before
+
+
+def test_a_rank_the_launcher_terminated_is_not_named_for_one_killed_by_another_signal():
+    reset = "[gloo/pair.cc:537] Read error [127.0.0.1]:4242: Connection reset by peer"
+    errors = {r: _error(r, "RuntimeError", reset, r) for r in range(64) if r not in (10, 37)}
+    assert root_cause(errors, killed={10: "SIGTERM", 37: "SIGKILL"}, nproc=64) == 37
+    assert root_cause(errors, killed={10: "SIGTERM"}, nproc=64) == 37  # torch missed 37's exit
+    assert root_cause({}, killed={10: "SIGTERM"}, nproc=64) == 10  # the only one there is

@@ -90,6 +90,19 @@ class Board:
         """Each rank's posted stack, waiting up to ``wait_s`` in all (None: it did not answer)."""
         return self._posted("stack", ranks, time.monotonic() + wait_s)
 
+    def post_summary_written(self) -> None:
+        self.store.set(self._key("hang_summary/0"), "1")
+
+    def wait_summary_written(self, wait_s: float) -> bool:
+        """Whether rank 0 wrote the hang's summary within ``wait_s``: until then every rank stays,
+        so no rank's exit breaks a slower rank's collective before its stack is taken (the stack
+        would show the rank's way out, not where it hung: seen under load)."""
+        try:  # the server answers when the key is set: no polling by thousands of ranks
+            self.store.wait([self._key("hang_summary/0")], datetime.timedelta(seconds=wait_s))
+            return True
+        except RuntimeError:  # (torch's DistStoreError on a timeout is one)
+            return False
+
     def post_collectives(self, recent: list[Collective]) -> None:
         self.store.set(self._key(f"collectives/{self.rank}"), "\n".join(c.encode() for c in recent))
 

@@ -174,12 +174,18 @@ def root_cause(errors: dict[int, RankError], killed: dict[int, str], nproc: int 
     primary = [e for e in errors.values() if e.kind not in (*SECONDARY, TERMINATED) and not e.lost_peer]
     if primary:
         return earliest(primary)
-    silent = sorted(r for r in killed if r not in errors)
+    # A SIGTERM is likely the launcher's own (it stops every rank after the first failure): the
+    # ranks killed by another signal explain more (seen at 64 ranks: a terminated rank 10 was
+    # named for the SIGKILLed rank 37).
+    by_launcher = {r for r, name in killed.items() if name == "SIGTERM"}
+    silent = sorted(r for r in killed if r not in errors and r not in by_launcher)
     if silent:
         return silent[0]
-    unreported = [r for r in range(nproc) if r not in errors]
+    unreported = [r for r in range(nproc) if r not in errors and r not in by_launcher]
     if unreported and any(e.lost_peer for e in errors.values()):
         return unreported[0]
+    if terminated := sorted(by_launcher - set(errors)):
+        return terminated[0]
     return earliest([e for e in errors.values() if e.kind not in SECONDARY]) or earliest(list(errors.values()))
 
 

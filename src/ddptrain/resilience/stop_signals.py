@@ -90,14 +90,17 @@ class StopSignal:
         self.next_check = self.steps + self.interval
         return decision
 
-    def close(self, wait: bool = True) -> None:
+    def close(self, wait: bool = True, restore: bool = True) -> None:
         """Wait for the collective in flight (before the process group goes; not after a
-        failure, when a peer may never answer), and restore the replaced handlers."""
+        failure, when a peer may never answer), and restore the replaced handlers (``restore``;
+        a failing rank that ends anyway keeps catching the launcher's SIGTERM, which would
+        otherwise kill it before it writes its error report: the report's step was lost)."""
         if self.pending is not None and wait:
             self.pending.wait()
         self.pending = None
-        restore_handlers(self.replaced)
-        self.replaced.clear()
+        if restore:
+            restore_handlers(self.replaced)
+            self.replaced.clear()
 
 
 def restore_handlers(saved: dict[Any, Any]) -> None:

@@ -42,7 +42,7 @@ from .hangs import dump_stacks, hang_summary, judge_hang, refine
 
 PERIOD_S = 0.5  # how often each rank looks for a verdict
 BEAT_SHARE, MAX_BEAT_S = 20, 5.0  # heartbeats every --timeout / 20, at most every 5 s (beat_period)
-STACK_WAIT_S = 5.0  # how long the judge waits for the culprits' stacks
+STACK_WAIT_S = 10.0  # how long the judge waits for the ranks' answers to a hang (collectives, then stacks)
 CONFIG_ERROR_GRACE_S = 3.0  # a configuration error usually hits every rank: let them return it
 STORE_LOSS_GRACE_S = 2.0  # the store's host (rank 0) may simply have finished first
 STORE_SILENT_S = (10.0, 30.0)  # a store call unanswered for --timeout, within these bounds: the store is gone
@@ -236,14 +236,20 @@ class Watchdog(CollectiveMarks):
         self.board.post_collectives(recent())
         self.board.post_stack(stack)
         if self.rank == 0:
+            # One deadline for both answers: a rank busy elsewhere (2 cores beside 64 starting
+            # ranks) gets the whole wait for its stack, and a rank that never answers costs it once.
+            answers_by = time.monotonic() + STACK_WAIT_S
             verdict = refine(verdict, self.board.collectives(STACK_WAIT_S))
-            summary = hang_summary(verdict, self.board.stacks(verdict["culprits"], STACK_WAIT_S), self.timeout_s,
-                                   stacks_dir)
+            stacks = self.board.stacks(verdict["culprits"], max(0.0, answers_by - time.monotonic()))
+            summary = hang_summary(verdict, stacks, self.timeout_s, stacks_dir)
             if self.run_dir is not None:
                 (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
                 (self.run_dir / "logs" / "hang.txt").write_text(summary + "\n")
             if not os.environ.get("DDPTRAIN_LOCAL_LAUNCH"):  # ddptrain's own launcher prints it
                 say(summary, sys.stderr)
+            self.board.post_summary_written()
+        else:
+            self.board.wait_summary_written(STACK_WAIT_S + 2)  # rank 0 waits STACK_WAIT_S at most
         if self.rank in verdict["culprits"] and verdict.get("desync"):
             record_error(RankStuck(f"rank {self.rank}'s collective does not match the others' at "
                                    f"{verdict['label']}: {verdict['desync']}; it was in:\n{stack}"))
