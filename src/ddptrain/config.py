@@ -31,6 +31,7 @@ def _opt(help: str, *, choices: tuple[str, ...] | None = None, alias: str | None
 
 
 DEFAULT_EPOCHS = 5  # when neither --max-epochs nor --max-steps is given
+SYNC_EVERY, OUTER_LR, OUTER_MOMENTUM = 50, 0.7, 0.9  # --sync local-sgd|diloco (DiLoCo's paper: 500, 0.7, 0.9)
 TRACKERS = ("csv", "tensorboard", "mlflow", "wandb")  # observe/trackers.py
 
 # Hyper-parameters a task may choose defaults for, and the defaults when it does not.
@@ -100,9 +101,19 @@ class RunConfig:
                          "gradients and optimizer state (FSDP2); hsdp shards inside each of --replicas "
                          "groups and replicates across them (FSDP2 on a 2-D mesh)",
                          choices=("ddp", "fsdp", "hsdp"), default="ddp")
-    replicas: int | None = _opt("hsdp: the number of replica groups (the ranks split into that many groups "
-                                "of consecutive ranks, each holding the whole model sharded over its ranks); "
-                                "default: one per node", default=None)
+    replicas: int | None = _opt("hsdp, --sync local-sgd|diloco: the number of replica groups (the ranks split "
+                                "into that many groups of consecutive ranks; under hsdp each holds the whole "
+                                "model sharded over its ranks); default: one per node", default=None)
+    sync: str = _opt("how the replica groups keep one model: every-step (the gradients meet every step); "
+                     "local-sgd (each group trains alone, DDP inside it, and every --sync-every steps the groups "
+                     "average their weights); diloco (every --sync-every steps an outer Nesterov SGD step moves "
+                     "the last synced weights by the groups' mean change; docs/slow-links.md)",
+                     choices=("every-step", "local-sgd", "diloco"), default="every-step")
+    sync_every: int | None = _opt(f"local-sgd, diloco: optimizer steps between syncs (default {SYNC_EVERY})",
+                                  default=None)
+    outer_lr: float | None = _opt(f"diloco: the outer SGD's learning rate (default {OUTER_LR})", default=None)
+    outer_momentum: float | None = _opt(f"diloco: the outer SGD's Nesterov momentum (default {OUTER_MOMENTUM}; 0: "
+                                        "plain SGD)", default=None)
     fault_tolerance: str = _opt("torchft: this job is one replica group of --replica-groups; the groups average "
                                 "their gradients every step through torchft, and when one fails the others train "
                                 "on while it restarts and heals from a live peer (pip install 'ddptrain[ft]'; "
@@ -226,6 +237,13 @@ class RunConfig:
         groups under --fault-tolerance torchft, ``world_size`` being one group's)."""
         return self.batch_size * world_size * self.grad_accum * self.replica_groups
 
+    @property
+    def sync_settings(self) -> tuple[int, float, float]:
+        """--sync-every, --outer-lr and --outer-momentum as resolved (the defaults where unset)."""
+        return (SYNC_EVERY if self.sync_every is None else self.sync_every,
+                OUTER_LR if self.outer_lr is None else self.outer_lr,
+                OUTER_MOMENTUM if self.outer_momentum is None else self.outer_momentum)
+
     def with_run_dir(self) -> RunConfig:
         """This config with its run dir resolved: the given one, else ``default_run_dir``."""
         return self if self.run_dir else dataclasses.replace(self, run_dir=default_run_dir(self))
@@ -241,6 +259,10 @@ class RunConfig:
             del values["max_steps"]  # snapshots from before the setting existed match
         if not self.sync_batchnorm:
             del values["sync_batchnorm"]  # snapshots from before the setting existed match
+        if self.sync != "every-step":  # (every-step: snapshots from before the setting existed match)
+            every, outer_lr, outer_momentum = self.sync_settings
+            values.update(sync=self.sync, sync_every=every,
+                          **({"outer_lr": outer_lr, "outer_momentum": outer_momentum} if self.sync == "diloco" else {}))
         values.update(ema=self.ema, ema_every=self.ema_every if self.ema else 1,
                       keep_best=":".join(watched_metric(self.keep_best)) if self.keep_best.strip() else "")
         return values
@@ -394,14 +416,41 @@ def _check_fault_tolerance(cfg: RunConfig) -> None:
         raise ConfigError("--fault-tolerance torchft needs the torchft package; pip install 'ddptrain[ft]'")
 
 
+def _check_sync(cfg: RunConfig) -> None:
+    """--sync's flags: each belongs to a mode, and the modes train DDP inside each group for now."""
+    outer = [flag for flag, given in (("--outer-lr", cfg.outer_lr is not None),
+                                      ("--outer-momentum", cfg.outer_momentum is not None)) if given]
+    if cfg.sync != "diloco" and outer:
+        raise ConfigError(f"{outer[0]} belongs to --sync diloco (this run's --sync is {cfg.sync}); add it, or drop "
+                          f"{outer[0]}")
+    if cfg.sync == "every-step":
+        if cfg.sync_every is not None:
+            raise ConfigError("--sync-every belongs to --sync local-sgd or diloco; add one, or drop --sync-every")
+        return
+    every, outer_lr, outer_momentum = cfg.sync_settings
+    if every < 1:
+        raise ConfigError(f"--sync-every must be at least 1 (optimizer steps between syncs), got {every}")
+    if not (math.isfinite(outer_lr) and outer_lr > 0):
+        raise ConfigError(f"--outer-lr must be a finite number > 0, got {outer_lr}")
+    if not 0 <= outer_momentum < 1:
+        raise ConfigError(f"--outer-momentum must be in [0, 1), got {outer_momentum}")
+    unsupported = [flag for flag, used in (("--strategy " + cfg.strategy, cfg.strategy != "ddp"),
+                                            ("--fault-tolerance torchft", cfg.fault_tolerance != "none"),
+                                            ("--ema", bool(cfg.ema))) if used]
+    if unsupported:
+        raise ConfigError(f"--sync {cfg.sync} trains DDP inside each replica group, without {unsupported[0]} for "
+                          f"now; drop one of them")
+
+
 # DDP-only settings and the value that means "not used".
 DDP_ONLY = {"comm_hook": "none", "static_graph": False, "bucket_cap_mb": None, "find_unused_parameters": False}
 
 
 def _check_strategy_options(cfg: RunConfig) -> None:
-    if cfg.replicas is not None and cfg.strategy != "hsdp":
-        raise ConfigError(f"--replicas is the number of replica groups of --strategy hsdp; drop it, or add "
-                          f"--strategy hsdp (this run's is {cfg.strategy})")
+    _check_sync(cfg)
+    if cfg.replicas is not None and cfg.strategy != "hsdp" and cfg.sync == "every-step":
+        raise ConfigError(f"--replicas is the number of replica groups of --strategy hsdp or --sync local-sgd|diloco; "
+                          f"drop it, or add one of them (this run's strategy is {cfg.strategy})")
     if cfg.replicas is not None and cfg.replicas < 1:
         raise ConfigError(f"--replicas must be at least 1, got {cfg.replicas}")
     if cfg.strategy == "ddp":

@@ -40,6 +40,7 @@ from .optim import ScalerState, SchedulerState, build_optimizer, build_schedule
 from .parallel import make_strategy
 from .parallel.averaging import WeightAverage
 from .parallel.base import ModelAndOptimizer, convert_sync_batchnorm
+from .parallel.semi_sync import GroupOptimizers, SemiSync
 from .progress import Action, Cadence, Progress
 from .resilience.failures import STEP_NOTE
 from .resilience.guard import NonFiniteGuard
@@ -102,6 +103,9 @@ class Trainer:
         self.optimizer = task.make_optimizer(trained) if task.make_optimizer else build_optimizer(trained, cfg)
         self.average = WeightAverage(self.module, cfg.ema, cfg.ema_every) if cfg.ema else None  # --ema
         self.weights = ModelAndOptimizer(self.strategy, self.module, self.optimizer, self.average)
+        mesh = getattr(self.strategy, "replica_mesh", None)  # --sync local-sgd|diloco
+        self.semi_sync = SemiSync(cfg, mesh, trained, self.watchdog) if mesh is not None else None
+        self.save_at_sync = False  # a snapshot asked for between two syncs: taken at the next one
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16" and self.device.type == "cuda")
 
     def _choose_start(self) -> None:
@@ -163,8 +167,11 @@ class Trainer:
             states={"scheduler": SchedulerState(schedule), "scaler": ScalerState(self.scaler),
                     # one table in the snapshot format: where the run is, the epoch's loss so far, skips
                     "progress": OneTable(self.progress, self.losses, self.grad_norms, self.guard,
-                                         *[part for part in (self.best, self.replicas) if part is not None])},
-            per_rank={"data": self.batches} if isinstance(self.batches, StreamBatches) else {},
+                                         *[part for part in (self.best, self.replicas) if part is not None]),
+                    **({"semi_sync": self.semi_sync} if self.semi_sync is not None else {})},
+            per_rank={**({"data": self.batches} if isinstance(self.batches, StreamBatches) else {}),
+                      **({"group_optimizers": GroupOptimizers(self.optimizer, self.semi_sync.mesh, ctx)}
+                         if self.semi_sync is not None else {})},
             start=self.start, group=self.cpu_group, uploads=self.uploads,
             on_committed=self.ray.committed if self.ray.active else None)
         self.stop_signal = StopSignal(self.cpu_group, self.checkpointer.due_by_time if ctx.is_main else None,
@@ -341,8 +348,12 @@ class Trainer:
         self.timings.add_step(stepping - fetching, time.perf_counter() - stepping)
         if self.replicas is not None and not self.replicas.committed:  # nobody took it: a failure's time
             self.reporter.waited(time.perf_counter() - stepping)
+        # (--sync local-sgd|diloco: the groups meet inside the step they end, as a profile shows it)
+        synced = self.semi_sync is not None and self.semi_sync.after_step(self.progress.global_step + 1)
         self.profiler.step_done()
         self.progress.step_done(step_samples)
+        if synced and self.save_at_sync:
+            self._save()
         self.tally.step_done(loss)
         shown = loss is not None and self.progress.global_step % LOSS_DISPLAY_EVERY == 0
         self.reporter.step_done(self.progress.global_step,  # the loss shown: rank 0's mean
@@ -359,6 +370,7 @@ class Trainer:
         also = {} if self.replicas is None else {"samples_skipped": self.replicas.samples_skipped}  # torchft's
         record = self.tally.epoch_record(epoch, since, self._epoch_samples(partial is not None), partial, **also)
         if self.cadence.evaluate_at_epoch_end(epoch, partial is not None):
+            self._sync_groups()
             with self.reporter.timed("eval", self.progress.global_step):
                 self.evaluations.add_to(record)
         self.reporter.log(record)
@@ -375,6 +387,7 @@ class Trainer:
     def _evaluation(self, epoch: int) -> dict[str, Any]:
         """An evaluation record of its own (at the start, or every --eval-every-steps), judged."""
         record = {"kind": "eval", "epoch": epoch, "step": self.progress.global_step}
+        self._sync_groups()
         with self.reporter.timed("eval", self.progress.global_step):
             self.evaluations.add_to(record)
         return record
@@ -385,12 +398,23 @@ class Trainer:
         ``last``: the checkpointer's commit follows before anything changes the state."""
         if not self.checkpointer.wants(self.progress.global_step):
             return
+        if self.semi_sync is not None and not self.semi_sync.synced(self.progress.global_step):
+            self.save_at_sync = not last  # the groups' weights differ until the next sync: a snapshot then
+            return
+        self.save_at_sync = False
         with self.reporter.timed("snapshot", self.progress.global_step):
             self.tally.before_snapshot()
             self._share_buffers()
             self.checkpointer.save(self.progress.global_step, last=last)
 
+    def _sync_groups(self) -> None:
+        """--sync local-sgd|diloco: the replica groups meet now, if they have not after this step.
+        An evaluation is of one model, and so is the end of a run, whatever step it comes at."""
+        if self.semi_sync is not None:
+            self.semi_sync.sync(self.progress.global_step)
+
     def _finish(self, exiting: bool) -> None:
+        self._sync_groups()
         self._save(last=True)
         self.checkpointer.commit()
         self._share_buffers()  # (a no-op when _save just did it: rare)

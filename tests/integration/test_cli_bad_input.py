@@ -67,6 +67,19 @@ CASES = [
     (["--strategy", "hsdp", "--static-graph"], {}, "--static-graph is a DDP option and does nothing with --strategy h"),
     (["--replicas", "2"], {}, "--replicas is the number of replica groups of --strategy hsdp"),
     (["--strategy", "hsdp", "--replicas", "0"], {}, "--replicas must be at least 1, got 0"),
+    (["--sync", "diloco", "--sync-every", "0"], {}, "--sync-every must be at least 1 (optimizer steps between syncs), "
+     "got 0"),
+    (["--sync-every", "4"], {}, "--sync-every belongs to --sync local-sgd or diloco"),
+    (["--sync", "local-sgd", "--outer-lr", "0.5"], {}, "--outer-lr belongs to --sync diloco (this run's --sync is "
+     "local-sgd)"),
+    (["--outer-momentum", "0.5"], {}, "--outer-momentum belongs to --sync diloco"),
+    (["--sync", "diloco", "--outer-lr", "0"], {}, "--outer-lr must be a finite number > 0"),
+    (["--sync", "diloco", "--outer-momentum", "1"], {}, "--outer-momentum must be in [0, 1)"),
+    (["--sync", "diloco", "--strategy", "fsdp"], {}, "--sync diloco trains DDP inside each replica group, without "
+     "--strategy fsdp for now"),
+    (["--sync", "local-sgd", "--ema", "0.9"], {}, "without --ema for now"),
+    (["--sync", "diloco", "--nproc", "2"], {}, "--sync diloco needs 2 or more replica groups, and this job has one"),
+    (["--sync", "local-sgd", "--nproc", "2", "--replicas", "3"], {}, "--replicas 3 does not divide the 2 ranks"),
     (["--task", "nosuchtask"], {}, "unknown task"),
     (["--task", ":"], {}, "not MODULE:FUNC"),
     (["--task", TASKS + "nope"], {}, "has no function 'nope'"),

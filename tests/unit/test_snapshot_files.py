@@ -156,3 +156,22 @@ def test_a_resume_keeps_the_average_and_the_best_metric_but_older_snapshots_are_
             files.check_fingerprint(taken, other.math_fingerprint(2), Path("s"))
     before_05 = {k: v for k, v in taken.items() if k not in ("ema", "ema_every", "keep_best")}
     files.check_fingerprint(before_05, RunConfig(ema=0.5).math_fingerprint(2), Path("s"))
+
+
+def test_a_resume_keeps_the_sync_mode_and_its_settings():
+    from ddptrain import RunConfig
+
+    diloco = RunConfig(sync="diloco", sync_every=4, replicas=2)
+    taken = diloco.math_fingerprint(2)
+    files.check_fingerprint(taken, RunConfig(sync="diloco", sync_every=4, replicas=2).math_fingerprint(2), Path("s"))
+    files.check_fingerprint(RunConfig().math_fingerprint(2), RunConfig(seed=0).math_fingerprint(2), Path("s"))
+    for other, words in ((RunConfig(), "sync: 'diloco' -> 'every-step'"),
+                         (RunConfig(sync="local-sgd", sync_every=4, replicas=2), "sync: 'diloco' -> 'local-sgd'"),
+                         (RunConfig(sync="diloco", sync_every=8, replicas=2), "sync_every: 4 -> 8"),
+                         (RunConfig(sync="diloco", sync_every=4, outer_lr=0.5, replicas=2), "outer_lr: 0.7 -> 0.5"),
+                         (RunConfig(sync="diloco", sync_every=4, outer_momentum=0.0, replicas=2),
+                          "outer_momentum: 0.9 -> 0.0")):
+        with pytest.raises(SnapshotError, match=words):
+            files.check_fingerprint(taken, other.math_fingerprint(2), Path("s"))
+    with pytest.raises(SnapshotError, match="sync: None -> 'diloco'"):  # an every-step snapshot, resumed by diloco
+        files.check_fingerprint(RunConfig().math_fingerprint(2), taken, Path("s"))

@@ -14,13 +14,15 @@ from ..errors import ConfigError
 from ..tasks.protocol import Task
 from .base import Strategy, checkpoint_blocks, find_blocks, no_blocks_error
 from .hooks import register_comm_hook
+from .semi_sync import ReplicaMesh
 
 
 class DDPStrategy(Strategy):
     needs_every_gradient = False  # find_unused_parameters and static_graph cope without
+    replica_mesh: ReplicaMesh | None = None  # --sync local-sgd|diloco: DDP inside each replica group
 
     def wrap(self, module: torch.nn.Module, task: Task) -> torch.nn.Module:
-        """DDP across ranks. One rank has nobody to talk to: DDP would only add its overhead."""
+        """DDP across ranks (inside each replica group under --sync local-sgd|diloco)."""
         module.to(self.ctx.device)
         self.shares_buffers = self.ctx.world_size > 1 and any(True for _ in module.buffers())
         if self.cfg.activation_checkpointing:
@@ -29,10 +31,16 @@ class DDPStrategy(Strategy):
                 raise no_blocks_error("--activation-checkpointing")
             checkpoint_blocks(module, blocks)
         model: torch.nn.Module = torch.compile(module) if self.cfg.compile else module  # type: ignore[assignment]  # compile's stub says callable; a module's is one
-        if self.ctx.world_size == 1:
+        # Every rank's gradients meet (group None), unless replica groups sync every --sync-every steps.
+        group, alone = None, self.ctx.world_size == 1
+        if self.cfg.sync != "every-step":
+            self.replica_mesh = ReplicaMesh(self.cfg, self.ctx)
+            group, alone = self.replica_mesh.inside, self.replica_mesh.size == 1
+        if alone:  # nobody to talk to every step: DDP would only add its overhead
             return model
         ddp = DDP(
             model,
+            process_group=group,
             device_ids=[self.ctx.device] if self.ctx.device.type == "cuda" else None,
             gradient_as_bucket_view=True,
             forward_sync_buffers=False,  # the Trainer shares rank 0's buffers once per step (broadcast_buffers)

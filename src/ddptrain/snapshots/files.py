@@ -326,6 +326,8 @@ def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], path: Path
     average's and the best model's (a snapshot from before they were kept is not asked about them)."""
     changed = [f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in current
                if (k in saved or k not in KEPT_ON_RESUME) and saved.get(k) != current[k]]
+    if "sync" in saved and "sync" not in current:  # (every-step, the default, is left out of fingerprints)
+        changed.append(f"sync: {saved['sync']!r} -> 'every-step'")
     if changed:
         raise SnapshotError(f"snapshot {path} was taken with other settings ({'; '.join(changed)}); "
                             "use the original flags, or --resume never / another --run-dir")

@@ -1,0 +1,141 @@
+"""``--sync local-sgd | diloco``: replica groups that meet every ``--sync-every`` steps, not every step.
+
+The ranks split into ``--replicas`` groups of consecutive ranks (default: one per node), the
+``("across", "inside")`` dimensions of a 2-D device mesh. Inside a group DDP all-reduces the
+gradients every step, as it always does; across the groups nothing travels between syncs. Every
+``--sync-every`` optimizer steps, before an evaluation and after the last step (each of those
+is of one model; evaluations between syncs add syncs, at the same steps in every run):
+
+- ``local-sgd``: the groups average their weights (torch's ``model_averaging.average_parameters``:
+  one all-reduce of every trainable parameter, flattened);
+- ``diloco`` (Douillard et al. 2023): each group's change since the last sync is its
+  pseudo-gradient; their mean (one all-reduce, flattened) is the gradient of an outer SGD with
+  Nesterov momentum over the last synced weights, and its result is every group's new weights.
+
+Each rank takes part in exactly one cross-group all-reduce per sync, with the rank at the same
+place in every other group. The inner optimizers keep their own state per group.
+
+Snapshots are taken at syncs only (a snapshot asked for between two syncs waits for the next),
+where every group holds the same weights: the snapshot's model is the last synced weights, the
+outer optimizer's momentum is in it (``state_dict``), and so is every group's inner optimizer
+(``GroupOptimizers``), so a killed run resumes exactly. What a stop signal stops between syncs
+resumes from the sync before it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
+from ..comm import CollectiveMarks, DistContext
+from ..config import RunConfig
+from ..errors import ConfigError
+
+SYNC = "the replica groups' sync (--sync {kind})"
+
+
+class ReplicaMesh:
+    """The groups: ``replicas`` groups of ``size`` consecutive ranks; ``inside`` is this rank's
+    group's process group, ``across`` the one joining it to the same place in the other groups."""
+
+    def __init__(self, cfg: RunConfig, ctx: DistContext) -> None:
+        self.replicas = cfg.replicas or max(1, ctx.world_size // ctx.local_world_size)  # one per node
+        if ctx.world_size % self.replicas:
+            raise ConfigError(f"--replicas {self.replicas} does not divide the {ctx.world_size} ranks into equal "
+                              "groups; choose a divisor of the number of ranks")
+        if self.replicas < 2:
+            raise ConfigError(f"--sync {cfg.sync} needs 2 or more replica groups, and this job has one (one per node "
+                              "by default); run on several nodes, or set --replicas R to split the ranks")
+        self.size = ctx.world_size // self.replicas
+        self.index = ctx.rank // self.size  # this rank's group
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(ctx.device.type, (self.replicas, self.size), mesh_dim_names=("across", "inside"))
+        self.across, self.inside = mesh.get_group("across"), mesh.get_group("inside")
+
+
+class SemiSync:
+    """Syncs the replica groups every ``--sync-every`` steps; a component of every snapshot."""
+
+    def __init__(self, cfg: RunConfig, mesh: ReplicaMesh, params: list[torch.nn.Parameter],
+                 marks: CollectiveMarks) -> None:
+        self.kind, self.mesh, self.marks = cfg.sync, mesh, marks
+        self.every, outer_lr, momentum = cfg.sync_settings
+        self.params = [p for p in params if p.requires_grad]  # frozen ones (LoRA's base) never differ
+        self.synced_step = 0  # the global step after which the groups last held the same weights
+        self.anchor: list[torch.Tensor] = []
+        self.outer: torch.optim.Optimizer | None = None
+        if self.kind == "diloco":  # the last synced weights, and the outer optimizer over them
+            self.anchor = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
+            self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=momentum, nesterov=momentum > 0)
+
+    def synced(self, global_step: int) -> bool:
+        """Whether every group holds the same weights after ``global_step``."""
+        return global_step == self.synced_step
+
+    def after_step(self, global_step: int) -> bool:
+        """Call after every optimizer step on every rank: True when this step ended in a sync."""
+        if global_step % self.every:
+            return False
+        self.sync(global_step)
+        return True
+
+    def sync(self, global_step: int) -> None:
+        """The groups meet (every rank, after the same step)."""
+        if self.synced(global_step):
+            return
+        with self.marks.waiting(SYNC.format(kind=self.kind), global_step), torch.no_grad():
+            if self.outer is None:
+                average_parameters(iter(self.params), self.mesh.across)
+            else:
+                self._outer_step()
+        self.synced_step = global_step
+
+    def _outer_step(self) -> None:
+        assert self.outer is not None
+        changes = [anchor - param for anchor, param in zip(self.anchor, self.params)]  # this group's pseudo-gradient
+        flat = _flatten_dense_tensors(changes)
+        dist.all_reduce(flat, group=self.mesh.across)
+        flat.div_(self.mesh.replicas)
+        for anchor, mean in zip(self.anchor, _unflatten_dense_tensors(flat, changes)):
+            anchor.grad = mean
+        self.outer.step()
+        for param, anchor in zip(self.params, self.anchor):
+            param.copy_(anchor)
+
+    # --- state: taken at syncs only, where the weights are the last synced ones ----------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"synced_step": self.synced_step, **({"outer": self.outer.state_dict()} if self.outer else {})}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """After the weights were loaded: they are the last synced ones."""
+        self.synced_step = state.get("synced_step", 0)
+        with torch.no_grad():
+            for anchor, param in zip(self.anchor, self.params):
+                anchor.copy_(param)
+        if self.outer is not None and state.get("outer"):
+            self.outer.load_state_dict(state["outer"])
+
+
+class GroupOptimizers:
+    """Every replica group's inner optimizer state (a per-rank state of the snapshot: each
+    group's first rank gives its own, the others nothing; group 0's is the snapshot's optimizer)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, mesh: ReplicaMesh, ctx: DistContext) -> None:
+        self.optimizer, self.mesh, self.ctx = optimizer, mesh, ctx
+
+    def state_dict(self) -> dict[str, Any]:
+        first_of_group = self.ctx.rank % self.mesh.size == 0
+        return self.optimizer.state_dict() if first_of_group and self.mesh.index > 0 else {}
+
+    def load_state_dict(self, by_rank: list[dict[str, Any]]) -> None:
+        """Each group takes its own; on another world size every group starts from group 0's."""
+        if len(by_rank) != self.ctx.world_size:
+            return
+        mine = by_rank[self.mesh.index * self.mesh.size]
+        if mine:
+            self.optimizer.load_state_dict(mine)

@@ -1,0 +1,82 @@
+"""--sync local-sgd | diloco: replica groups (--replicas) that meet every --sync-every steps.
+On this machine the groups are local: 2 ranks as 2 groups of 1, or 4 as 2 groups of 2 (DDP
+inside each). What they hold: with a sync every step and a plain outer step they are every-step
+DDP; the groups meet in one all-reduce per sync and in nothing between; their weights agree
+right after each sync and differ between; a killed run resumes bitwise."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from ddptrain.snapshots import files
+from helpers.commands import assert_same_weights, fit, load_model
+from helpers.costs import collectives_per_step
+
+pytestmark = pytest.mark.slow
+TASKS = "ddptrain_test_tasks:"
+BASE = {"max_epochs": 1, "lr": 0.05, "momentum": 0.9}  # the tutorial's job: 32 steps an epoch on 2 ranks
+GROUPS = {"replicas": 2}
+
+
+def test_a_sync_every_step_with_a_plain_outer_step_is_every_step_ddp(tmp_path):
+    """Averaging the groups' weights after each SGD step (momentum too: it is linear) is
+    stepping with their averaged gradients: local SGD, and DiLoCo with outer lr 1 and no momentum."""
+    fit("regression", tmp_path / "ddp", **BASE)
+    fit("regression", tmp_path / "local", sync="local-sgd", sync_every=1, **GROUPS, **BASE)
+    fit("regression", tmp_path / "diloco", sync="diloco", sync_every=1, outer_lr=1.0, outer_momentum=0.0,
+        **GROUPS, **BASE)
+    ddp = load_model(tmp_path / "ddp")
+    for name in ("local", "diloco"):
+        assert_same_weights(load_model(tmp_path / name), ddp)
+
+
+def _weights_by_step(log_dir, rank: int) -> dict[int, str]:
+    lines = (log_dir / f"rank-{rank}.txt").read_text().splitlines()
+    return {int(n): weights for n, weights in (line.split(" ", 1) for line in lines)}
+
+
+@pytest.mark.parametrize("kind", ["local-sgd", "diloco"])
+def test_the_groups_agree_right_after_each_sync_and_differ_between(tmp_path, kind):
+    log = tmp_path / "weights"
+    log.mkdir()
+    fit("semi_sync_tasks:logged_weights", tmp_path / "run", env={"WEIGHTS_LOG": str(log)}, sync=kind,
+        sync_every=4, max_steps=12, **GROUPS, **BASE)
+    ranks = [_weights_by_step(log, rank) for rank in (0, 1)]
+    assert sorted(ranks[0]) == sorted(ranks[1]) == list(range(1, 13))
+    agree = [n for n in range(1, 13) if ranks[0][n] == ranks[1][n]]  # the weights before step n
+    assert agree == [1, 5, 9], agree  # the start, and after the syncs at steps 4 and 8
+    assert load_model(tmp_path / "run")  # and the run ends with one model (a sync after step 12)
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_the_groups_meet_in_one_all_reduce_per_sync_and_nothing_between(tmp_path, nproc):
+    """Rank 0's collectives in steps 2 to 8 (--profile 7), DiLoCo every 4 steps: on 2 ranks (groups
+    of 1) the sync's all-reduce of the 21 parameters' changes is all there is; on 4 (groups of 2),
+    DDP's gradient all-reduce inside the group every step, and the sync's beside it at steps 4 and 8."""
+    fit("regression", tmp_path, nproc=nproc, sync="diloco", sync_every=4, max_steps=9, profile=7, batch_size=8,
+        **GROUPS)
+    steps = collectives_per_step(tmp_path)
+    for step in steps:
+        step.pop("all_reduce[3]", None)  # the stop agreement (about twice a second)
+    inside = 0 if nproc == 2 else 1
+    expected = {n: collections.Counter({"all_reduce[21]": inside + (n % 4 == 0)}) for n in range(4, 9)}
+    by_step = {n: +steps[n - 2] for n in range(4, 9)}  # (steps 2 and 3 hold one-off costs)
+    assert by_step == {n: +counter for n, counter in expected.items()}, by_step
+
+
+def test_diloco_killed_between_syncs_resumes_bitwise_from_the_last_sync(tmp_path):
+    """Adam inside (each group's moments its own), DiLoCo every 4 steps, snapshots asked for every
+    6 steps (taken at the next sync: 8, 12, 20, 24, ...), rank 1 SIGKILLed at its 23rd step; the
+    restart resumes from a sync and ends bitwise equal to a run never interrupted."""
+    options = {"sync": "diloco", "sync_every": 4, "save_every": 6, "optimizer": "adamw", "max_epochs": 2,
+               "lr": 0.01, **GROUPS}
+    fit("regression", tmp_path / "whole", **options)
+    env = {"KILL_RANK": "1", "KILL_STEP": "23", "KILL_MARKER": str(tmp_path / "killed"),
+           "KILL_ONCE_SAVED": str(tmp_path / "run" / "snapshots")}
+    fit(TASKS + "kill_at_step", tmp_path / "run", env=env, max_restarts=1, **options)
+    assert (tmp_path / "killed").exists()
+    steps = [files.snapshot_step(path) for path in files.list_snapshots(tmp_path / "run" / "snapshots")]
+    assert steps and all(step % 4 == 0 for step in steps), steps
+    assert_same_weights(load_model(tmp_path / "run"), load_model(tmp_path / "whole"), exact=True)
