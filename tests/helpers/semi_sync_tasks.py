@@ -9,7 +9,8 @@ from pathlib import Path
 from ddptrain import Task
 from ddptrain.tasks import regression_task
 
-from kills import _rank
+from data_tasks import stream
+from kills import _rank, killable
 
 
 def logged_weights(cfg) -> Task:
@@ -28,3 +29,6 @@ def logged_weights(cfg) -> Task:
         return loss_fn(output, target)
     task.loss_fn = recorded
     return task
+
+
+killed_stream = killable(stream)  # a stream of STREAM_SAMPLES samples, whose rank KILL_RANK SIGKILLs itself once

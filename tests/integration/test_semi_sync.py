@@ -7,11 +7,17 @@ right after each sync and differ between; a killed run resumes bitwise."""
 from __future__ import annotations
 
 import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from ddptrain.snapshots import files
-from helpers.commands import assert_same_weights, fit, load_model
+from helpers.commands import REPO, assert_same_weights, clean_env, fit, load_model
 from helpers.costs import collectives_per_step
 
 pytestmark = pytest.mark.slow
@@ -30,6 +36,17 @@ def test_a_sync_every_step_with_a_plain_outer_step_is_every_step_ddp(tmp_path):
     ddp = load_model(tmp_path / "ddp")
     for name in ("local", "diloco"):
         assert_same_weights(load_model(tmp_path / name), ddp)
+
+
+def test_diloco_with_a_plain_outer_step_is_local_sgd_at_any_interval(tmp_path):
+    """Outer lr 1 without momentum moves the last synced weights all the way to the groups' mean."""
+    options = {"sync_every": 4, "optimizer": "adamw", **GROUPS, **BASE}
+    fit("regression", tmp_path / "local", sync="local-sgd", **options)
+    fit("regression", tmp_path / "diloco", sync="diloco", outer_lr=1.0, outer_momentum=0.0, **options)
+    fit("regression", tmp_path / "nesterov", sync="diloco", **options)  # the defaults: 0.7, Nesterov 0.9
+    local = load_model(tmp_path / "local")
+    assert_same_weights(load_model(tmp_path / "diloco"), local)
+    assert not torch.allclose(load_model(tmp_path / "nesterov")["weight"], local["weight"])
 
 
 def _weights_by_step(log_dir, rank: int) -> dict[int, str]:
@@ -80,3 +97,38 @@ def test_diloco_killed_between_syncs_resumes_bitwise_from_the_last_sync(tmp_path
     steps = [files.snapshot_step(path) for path in files.list_snapshots(tmp_path / "run" / "snapshots")]
     assert steps and all(step % 4 == 0 for step in steps), steps
     assert_same_weights(load_model(tmp_path / "run"), load_model(tmp_path / "whole"), exact=True)
+
+
+def test_local_sgd_in_groups_of_two_with_accumulation_and_a_stream_killed_resumes_bitwise(tmp_path):
+    """Where the features meet: 4 ranks as 2 groups of 2 (DDP inside), 2 micro-batches a step, a
+    stream whose epochs end in a partial step (400 samples, 32 a step: 12.5 steps) and whose
+    reading positions are in the snapshot, local SGD every 3 steps, rank 2 SIGKILLed in step 17."""
+    options = {"nproc": 4, "sync": "local-sgd", "sync_every": 3, "grad_accum": 2, "save_every": 4, "max_epochs": 2,
+               "batch_size": 4, **GROUPS, "lr": 0.05, "momentum": 0.9}
+    fit("semi_sync_tasks:killed_stream", tmp_path / "whole", env={"STREAM_SAMPLES": "400"}, **options)
+    env = {"STREAM_SAMPLES": "400", "KILL_RANK": "2", "KILL_STEP": "33", "KILL_MARKER": str(tmp_path / "killed"),
+           "KILL_ONCE_SAVED": str(tmp_path / "run" / "snapshots")}  # (its 33rd micro-batch: step 17's first)
+    fit("semi_sync_tasks:killed_stream", tmp_path / "run", env=env, max_restarts=1, **options)
+    assert (tmp_path / "killed").exists()
+    steps = [files.snapshot_step(path) for path in files.list_snapshots(tmp_path / "run" / "snapshots")]
+    assert steps and all(step % 3 == 0 or step == 26 for step in steps), steps  # (26: the run's end)
+    assert_same_weights(load_model(tmp_path / "run"), load_model(tmp_path / "whole"), exact=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
+                    reason="network namespaces and tc need root")
+def test_the_slow_links_benchmark_runs_two_nodes_in_network_namespaces(tmp_path):
+    """A smoke run of benchmarks/slow_links.py (not a timed test): two torchrun agents in two
+    network namespaces, every-step DDP, local SGD and DiLoCo every 4 steps; the syncs send a
+    fraction of DDP's bytes, and DiLoCo with a plain outer step is local SGD."""
+    out = tmp_path / "figures.json"
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "slow_links.py"), "--steps", "12", "--every",
+                             "4", "--rates", "none", "--outer", "1.0:0", "--probe-s", "0.5", "--json", str(out)],
+                            capture_output=True, text=True, timeout=300, env=clean_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    ddp, local, diloco = json.loads(out.read_text())
+    assert [ddp["method"], local["method"], diloco["method"]] == ["every-step DDP", "local-sgd H=4",
+                                                                 "diloco H=4 outer 1.0/0"]
+    assert local["bytes_per_sample"] < ddp["bytes_per_sample"] / 2, (local, ddp)
+    assert abs(diloco["eval_loss"] - local["eval_loss"]) < 1e-3 * local["eval_loss"]
+    assert "| none (" in result.stdout and "samples/s" in result.stdout
