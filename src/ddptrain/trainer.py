@@ -352,12 +352,12 @@ class Trainer:
         synced = self.semi_sync is not None and self.semi_sync.after_step(self.progress.global_step + 1)
         self.profiler.step_done()
         self.progress.step_done(step_samples)
-        if synced and self.save_at_sync:
-            self._save()
         self.tally.step_done(loss)
         shown = loss is not None and self.progress.global_step % LOSS_DISPLAY_EVERY == 0
         self.reporter.step_done(self.progress.global_step,  # the loss shown: rank 0's mean
                                loss * self.ctx.world_size if shown and loss is not None else None)
+        if synced and self.save_at_sync:  # the snapshot asked for since the last sync
+            self._save()
         return True
 
     def _share_buffers(self) -> None:

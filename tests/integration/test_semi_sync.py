@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ddptrain.snapshots import files
-from helpers.commands import REPO, assert_same_weights, clean_env, fit, load_model
+from helpers.commands import REPO, assert_same_weights, clean_env, fit, load_model, read_metrics
 from helpers.costs import collectives_per_step
 
 pytestmark = pytest.mark.slow
@@ -97,6 +97,8 @@ def test_diloco_killed_between_syncs_resumes_bitwise_from_the_last_sync(tmp_path
     steps = [files.snapshot_step(path) for path in files.list_snapshots(tmp_path / "run" / "snapshots")]
     assert steps and all(step % 4 == 0 for step in steps), steps
     assert_same_weights(load_model(tmp_path / "run"), load_model(tmp_path / "whole"), exact=True)
+    losses = [[r["train_loss"] for r in read_metrics(tmp_path / name) if r["kind"] == "epoch"] for name in ("run", "whole")]
+    assert losses[0] == losses[1], losses  # the epochs' losses too: the snapshot holds the steps' before it
 
 
 def test_local_sgd_in_groups_of_two_with_accumulation_and_a_stream_killed_resumes_bitwise(tmp_path):
