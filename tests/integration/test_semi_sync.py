@@ -97,7 +97,8 @@ def test_diloco_killed_between_syncs_resumes_bitwise_from_the_last_sync(tmp_path
     steps = [files.snapshot_step(path) for path in files.list_snapshots(tmp_path / "run" / "snapshots")]
     assert steps and all(step % 4 == 0 for step in steps), steps
     assert_same_weights(load_model(tmp_path / "run"), load_model(tmp_path / "whole"), exact=True)
-    losses = [[r["train_loss"] for r in read_metrics(tmp_path / name) if r["kind"] == "epoch"] for name in ("run", "whole")]
+    losses = [[r["train_loss"] for r in read_metrics(tmp_path / name) if r["kind"] == "epoch"]
+              for name in ("run", "whole")]
     assert losses[0] == losses[1], losses  # the epochs' losses too: the snapshot holds the steps' before it
 
 
