@@ -374,9 +374,15 @@ def paced(cfg) -> Task:
 
 def slow_steps(cfg) -> Task:
     """The regression task, each step first sleeping STEP_SLEEP seconds on every rank (a run that
-    lasts long enough for something outside it to happen meanwhile); the same math."""
-    seconds = float(os.environ.get("STEP_SLEEP", "0"))
-    return _on_step(regression_task(cfg), lambda n: time.sleep(seconds))
+    lasts long enough for something outside it to happen meanwhile); the same math. With
+    STEP_GATE (a path), every rank waits before its second step until that file exists."""
+    seconds, gate = float(os.environ.get("STEP_SLEEP", "0")), os.environ.get("STEP_GATE")
+
+    def before(n: int) -> None:
+        while gate and n == 2 and not Path(gate).exists():
+            time.sleep(0.02)
+        time.sleep(seconds)
+    return _on_step(regression_task(cfg), before)
 
 
 

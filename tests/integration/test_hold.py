@@ -16,20 +16,22 @@ COMMAND = [str(BIN / "ddptrain"), "train", "--task", "ddptrain_test_tasks:uneven
 
 @pytest.mark.slow
 def test_the_same_command_twice_at_once_one_trains_the_other_exits_2_touching_nothing(tmp_path, start):
-    # The second starts once the first holds the run dir, and the first's 128 steps of 20 ms
-    # outlast the second's start (60 steps of the uneven job with a 0.3 s head start once ended first).
+    # The second starts once the first holds the run dir, and the first waits before its second
+    # step until the second has ended (its steps' head start once ran out: beside a CPU hog the
+    # first finished before the second had started, and the second found a finished run).
     command = [str(BIN / "ddptrain"), "train", "--task", "ddptrain_test_tasks:slow_steps", "--max-epochs", "4",
                "--run-dir", str(tmp_path / "run")]
-    env = clean_env(STEP_SLEEP="0.02")
+    gate = tmp_path / "second-ended"
+    env = clean_env(STEP_SLEEP="0.02", STEP_GATE=str(gate))
     first = start(command, env=env)
     deadline = time.monotonic() + 60
     while not (tmp_path / "run" / HOLD_FILE).exists() and time.monotonic() < deadline:
         time.sleep(0.02)
     second = start(command, env=env)
-    results = sorted([(p.returncode, out, err) for p in (first, second)
-                      for out, err, _ in [finish(p, timeout=120)]], key=lambda r: r[0])
-    (ok, out, _), (refused, _, err) = results
-    assert (ok, refused) == (0, 2), results
+    _, err, _ = finish(second, timeout=120)
+    gate.touch()
+    out, _, _ = finish(first, timeout=120)
+    assert (first.returncode, second.returncode) == (0, 2), (out, err)
     assert len(err.strip().splitlines()) == 1 and "is in use by job local-" in err, err
     records = read_metrics(tmp_path / "run")
     assert [r["epoch"] for r in records] == list(range(4))
