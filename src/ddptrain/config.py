@@ -435,11 +435,16 @@ def _check_sync(cfg: RunConfig) -> None:
     if not 0 <= outer_momentum < 1:
         raise ConfigError(f"--outer-momentum must be in [0, 1), got {outer_momentum}")
     unsupported = [flag for flag, used in (("--strategy " + cfg.strategy, cfg.strategy != "ddp"),
-                                            ("--fault-tolerance torchft", cfg.fault_tolerance != "none"),
                                             ("--ema", bool(cfg.ema))) if used]
     if unsupported:
         raise ConfigError(f"--sync {cfg.sync} trains DDP inside each replica group, without {unsupported[0]} for "
                           f"now; drop one of them")
+    if cfg.fault_tolerance == "torchft" and cfg.replicas is not None:
+        raise ConfigError(f"--replicas splits one job's ranks into groups; under --fault-tolerance torchft each "
+                          f"replica group is a job of its own (--replica-groups): drop --replicas {cfg.replicas}")
+    if cfg.fault_tolerance == "torchft" and cfg.replica_groups < 2:
+        raise ConfigError(f"--sync {cfg.sync} needs 2 or more replica groups to sync; give --replica-groups N "
+                          "(N jobs, one per group)")
 
 
 # DDP-only settings and the value that means "not used".

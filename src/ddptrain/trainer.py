@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -103,9 +103,7 @@ class Trainer:
         self.optimizer = task.make_optimizer(trained) if task.make_optimizer else build_optimizer(trained, cfg)
         self.average = WeightAverage(self.module, cfg.ema, cfg.ema_every) if cfg.ema else None  # --ema
         self.weights = ModelAndOptimizer(self.strategy, self.module, self.optimizer, self.average)
-        mesh = getattr(self.strategy, "replica_mesh", None)  # --sync local-sgd|diloco
-        self.semi_sync = SemiSync(cfg, mesh, trained, self.watchdog) if mesh is not None else None
-        self.save_at_sync = False  # a snapshot asked for between two syncs: taken at the next one
+        self.save_at_sync = False  # --sync local-sgd|diloco: a snapshot asked for between two syncs, taken at the next
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16" and self.device.type == "cuda")
 
     def _choose_start(self) -> None:
@@ -161,6 +159,10 @@ class Trainer:
         self.replicas = ReplicaGroups(cfg, ctx, lambda: self.checkpointer.state_dict(),
                                       lambda state: self.checkpointer.load_state_dict(state),
                                       self.reporter.info) if cfg.fault_tolerance == "torchft" else None
+        # --sync local-sgd|diloco: the groups are this job's (a mesh of its ranks), or torchft's
+        mesh = getattr(self.strategy, "replica_mesh", None)
+        self.semi_sync = None if cfg.sync == "every-step" else SemiSync(
+            cfg, self.params, self.watchdog, mesh=mesh, groups=self.replicas)
         self.checkpointer = Checkpointer(
             cfg, ctx, self.home, self.strategy, self.watchdog,
             weights=self.weights,
@@ -170,8 +172,7 @@ class Trainer:
                                          *[part for part in (self.best, self.replicas) if part is not None]),
                     **({"semi_sync": self.semi_sync} if self.semi_sync is not None else {})},
             per_rank={**({"data": self.batches} if isinstance(self.batches, StreamBatches) else {}),
-                      **({"group_optimizers": GroupOptimizers(self.optimizer, self.semi_sync.mesh, ctx)}
-                         if self.semi_sync is not None else {})},
+                      **({"group_optimizers": GroupOptimizers(self.optimizer, mesh, ctx)} if mesh is not None else {})},
             start=self.start, group=self.cpu_group, uploads=self.uploads,
             on_committed=self.ray.committed if self.ray.active else None)
         self.stop_signal = StopSignal(self.cpu_group, self.checkpointer.due_by_time if ctx.is_main else None,
@@ -198,7 +199,8 @@ class Trainer:
             task=self.task, ctx=self.ctx, strategy=self.strategy, model=self.model, module=self.module,
             params=self.params, optimizer=self.optimizer, scheduler=schedule, scaler=self.scaler,
             average=self.average, batches=self.batches, watchdog=self.watchdog, timings=self.timings,
-            flops=self.flops, grad_norms=self.grad_norms, guard=self.guard, replicas=self.replicas,
+            flops=self.flops, grad_norms=self.grad_norms, guard=self.guard,
+            replicas=self.replicas if self.semi_sync is None else None,  # (--sync: they meet between steps)
             clip_grad=self.cfg.clip_grad)
 
     # --- the loop ------------------------------------------------------------------------------
@@ -271,6 +273,8 @@ class Trainer:
                                f"{self.steps_per_epoch or 'as many as the stream gives'} steps per epoch")
         if self.cfg.epochs == 0:  # the initial model's evaluation, before epoch 0
             self.reporter.log(self._evaluation(0))
+        if self.replicas is not None and self.semi_sync is not None:  # torchft's groups meet (a restarted one heals)
+            self._meet_replicas(lambda: self.semi_sync.sync(self.progress.global_step, start=True))  # type: ignore[union-attr]  # checked above
         while not self.cadence.done():
             try:
                 ended_by = self._run_epoch(self.progress.epoch)
@@ -299,6 +303,8 @@ class Trainer:
         # LoRA model's base would train without dropout until the first evaluation switched it,
         # and a resume would differ from the run it continues).
         self.model.train()
+        if self.replicas is not None:
+            self.replicas.healed = False  # (a heal leaves the epoch: this one starts where it put the run)
         if self.cfg.log_ranks:  # the tutorial's per-rank line (Steps: optimizer steps)
             say(f"{self.ctx.tag} Epoch:{epoch}|Batchsize:{self.cfg.batch_size}|Steps:{self.steps_per_epoch or '?'}")
         self.reporter.epoch_started(epoch, self.steps_per_epoch, self.progress.step_in_epoch)
@@ -331,11 +337,8 @@ class Trainer:
     def _train_step(self, steps: Iterator[list[tuple[Any, MicroBatch]]]) -> bool:
         """The epoch's next step, if it has one (False: the epoch's data is over, or this replica
         group healed from a peer and the epoch goes on where the peer's state stands)."""
-        if self.replicas is not None:
-            quorum = time.perf_counter()  # a failed group's stall and a heal are in it: waiting
-            healed = self.replicas.begin_step(self.progress.global_step)
-            self.reporter.waited(time.perf_counter() - quorum)
-            if healed:
+        if self.replicas is not None and self.semi_sync is None:  # torchft's groups meet every step
+            if self._meet_replicas(lambda: self.replicas.begin_step(self.progress.global_step)):  # type: ignore[union-attr]  # checked above
                 return False  # this step goes on from the peer's position (its quorum is held)
         fetching = time.perf_counter()
         group = next(steps, None)
@@ -348,17 +351,34 @@ class Trainer:
         self.timings.add_step(stepping - fetching, time.perf_counter() - stepping)
         if self.replicas is not None and not self.replicas.committed:  # nobody took it: a failure's time
             self.reporter.waited(time.perf_counter() - stepping)
-        # (--sync local-sgd|diloco: the groups meet inside the step they end, as a profile shows it)
-        synced = self.semi_sync is not None and self.semi_sync.after_step(self.progress.global_step + 1)
-        self.profiler.step_done()
         self.progress.step_done(step_samples)
         self.tally.step_done(loss)
+        # (--sync local-sgd|diloco: the groups meet inside the step they end, as a profile shows it)
+        synced = self.semi_sync is not None and self._sync_after_step(step_samples)
+        self.profiler.step_done()
         shown = loss is not None and self.progress.global_step % LOSS_DISPLAY_EVERY == 0
         self.reporter.step_done(self.progress.global_step,  # the loss shown: rank 0's mean
                                loss * self.ctx.world_size if shown and loss is not None else None)
+        if self.replicas is not None and self.replicas.healed:  # (in a meeting: the run stands where the peer's does)
+            return False
         if synced and self.save_at_sync:  # the snapshot asked for since the last sync
             self._save()
         return True
+
+    def _sync_after_step(self, step_samples: int) -> bool:
+        """--sync local-sgd|diloco, after each step: True when the groups met."""
+        assert self.semi_sync is not None
+        if self.replicas is None:
+            return self.semi_sync.after_step(self.progress.global_step)
+        self.replicas.trained(step_samples)
+        return self._meet_replicas(lambda: self.semi_sync.after_step(self.progress.global_step))  # type: ignore[union-attr]  # asserted
+
+    def _meet_replicas(self, meeting: Callable[[], bool | None]) -> bool:
+        """torchft's groups meet: a failed group's stall and a heal are in it, counted as waiting."""
+        quorum = time.perf_counter()
+        met = bool(meeting())
+        self.reporter.waited(time.perf_counter() - quorum)
+        return met
 
     def _share_buffers(self) -> None:
         share_buffers(self.strategy, self.module, self.watchdog, self.progress.global_step)

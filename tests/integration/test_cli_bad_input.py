@@ -80,6 +80,10 @@ CASES = [
     (["--sync", "local-sgd", "--ema", "0.9"], {}, "without --ema for now"),
     (["--sync", "diloco", "--nproc", "2"], {}, "--sync diloco needs 2 or more replica groups, and this job has one"),
     (["--sync", "local-sgd", "--nproc", "2", "--replicas", "3"], {}, "--replicas 3 does not divide the 2 ranks"),
+    (["--sync", "diloco", "--fault-tolerance", "torchft", "--replica-groups", "2", "--replicas", "2"], {},
+     "--replicas splits one job's ranks into groups; under --fault-tolerance torchft each replica group is a job"),
+    (["--sync", "local-sgd", "--fault-tolerance", "torchft"], {}, "--sync local-sgd needs 2 or more replica groups "
+     "to sync; give --replica-groups N"),
     (["--task", "nosuchtask"], {}, "unknown task"),
     (["--task", ":"], {}, "not MODULE:FUNC"),
     (["--task", TASKS + "nope"], {}, "has no function 'nope'"),

@@ -4,7 +4,6 @@ at a real torchft lighthouse on loopback; one group SIGKILLed while the other tr
 import os
 import random
 import re
-import select
 import signal
 import subprocess
 import time
@@ -16,7 +15,6 @@ from ddptrain import free_port
 from ddptrain.observe.goodput import account, read_timeline
 from ddptrain.observe.report import summarize
 from helpers.commands import (
-    BIN,
     assert_ok,
     assert_same_weights,
     clean_env,
@@ -26,25 +24,11 @@ from helpers.commands import (
     load_model,
     read_metrics,
 )
+from helpers.ft_groups import group_job, serving_lighthouse, start_lighthouse, wait_ok
 
 pytestmark = pytest.mark.slow
 
-HEARTBEAT_MS = 3000  # the kill test's lighthouse: a group silent this long counts as failed
-ARGS = ["--fault-tolerance", "torchft", "--replica-groups", "2", "--batch-size", "16"]
-
-
-def _start_lighthouse(port: int, heartbeat_ms: int, min_replicas: int = 1) -> subprocess.Popen:
-    """`ddptrain lighthouse` on 127.0.0.1:``port``, once it said where it listens."""
-    server = subprocess.Popen([str(BIN / "ddptrain"), "lighthouse", "--bind", f"127.0.0.1:{port}",
-                               "--heartbeat-timeout-ms", str(heartbeat_ms), "--join-timeout-ms", "1000",
-                               "--min-replicas", str(min_replicas)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    ready, _, _ = select.select([server.stdout], [], [], 120)  # its first line, or the test fails
-    first = server.stdout.readline() if ready else "(nothing within 120 s)"  # type: ignore[union-attr]
-    if not first.startswith(f"ddptrain: lighthouse on http://127.0.0.1:{port}: give every replica group"):
-        kill_tree(server)
-        raise AssertionError(f"ddptrain lighthouse did not start: {first}")
-    return server
+HEARTBEAT_MS = 3000  # the kill tests' lighthouse: a group silent this long counts as failed
 
 
 @pytest.fixture
@@ -52,32 +36,8 @@ def lighthouse(request):
     """`ddptrain lighthouse` of this test's own (a group id of another test's never lingers in it);
     heartbeat timeout: the test's ``heartbeat_ms`` mark, else the default 5 s (a busy machine
     must not make a live group look failed where no group fails)."""
-    mark = request.node.get_closest_marker("heartbeat_ms")
-    port = free_port()
-    server = _start_lighthouse(port, mark.args[0] if mark else 5000)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        kill_tree(server)
-        server.wait(timeout=30)
-
-
-def _group(lighthouse: str, group: int, run_dir: Path, *extra: str, **env: str) -> subprocess.Popen:
-    """Group ``group``'s job; its output goes to a file beside its run dir (a pipe nobody reads
-    while the test waits for the other group would fill up and stall it)."""
-    args = [str(BIN / "ddptrain"), "train", *ARGS, "--lighthouse", lighthouse, "--replica-group", str(group),
-            "--run-dir", str(run_dir), *extra]
-    output = open(run_dir.with_name(run_dir.name + ".log"), "a")  # noqa: SIM115 - the process writes it
-    return subprocess.Popen(args, stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=clean_env(DDPTRAIN_FT_HOST="127.0.0.1", OMP_NUM_THREADS="1", **env))
-
-
-def _wait(process: subprocess.Popen, timeout: float = 240) -> str:
-    """Its output (the file's, this attempt's and earlier ones') once it ended, exit status 0."""
-    _, _, late = finish(process, timeout)
-    log = Path(process.args[process.args.index("--run-dir") + 1] + ".log").read_text()
-    assert not late and process.returncode == 0, f"rc {process.returncode}\n{log}"
-    return log
+    with serving_lighthouse(request) as address:
+        yield address
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -86,9 +46,9 @@ def test_with_every_group_present_two_groups_are_one_ddp_job_on_their_ranks(ligh
     DDP job on 2·W ranks; the groups' weights are bitwise equal to each other (one average, taken
     by both). 1 rank a group: bitwise the 2-rank DDP job (a mean of two halves is exact); 2 ranks
     a group: allclose to 4-rank DDP (another order of the sum; 3e-8 measured)."""
-    groups = [_group(lighthouse, g, tmp_path / f"group-{g}", "--max-epochs", "2", "--task", "regression",
+    groups = [group_job(lighthouse, g, tmp_path / f"group-{g}", "--max-epochs", "2", "--task", "regression",
                      "--nproc", str(ranks)) for g in (0, 1)]
-    logs = [_wait(p) for p in groups]
+    logs = [wait_ok(p) for p in groups]
     assert_ok(ddptrain_cli("train", "--task", "regression", "--nproc", str(2 * ranks), "--batch-size", "16",
                            "--max-epochs", "2", "--run-dir", str(tmp_path / "ddp")))
     weights = [load_model(tmp_path / f"group-{g}") for g in (0, 1)]
@@ -129,9 +89,9 @@ def test_a_killed_group_leaves_the_other_training_and_rejoins_with_its_weights(l
     # 96 steps either way: 2,048 samples in steps of 16 x ranks x 2 groups
     options = ("--task", "ft_tasks:kill_paced", "--max-epochs", str(3 * ranks), "--save-every", "10",
                "--nproc", str(ranks))
-    first = _group(lighthouse, 0, tmp_path / "group-0", *options, STEP_LOG=str(steps), STEP_SLEEP="0.05",
+    first = group_job(lighthouse, 0, tmp_path / "group-0", *options, STEP_LOG=str(steps), STEP_SLEEP="0.05",
                    HOLD_AT="70", HOLD_UNTIL=str(started))
-    second = _group(lighthouse, 1, tmp_path / "group-1", *options, **kill)
+    second = group_job(lighthouse, 1, tmp_path / "group-1", *options, **kill)
     finish(second, 240)
     assert second.returncode != 0 and (tmp_path / "killed").exists(), (tmp_path / "group-1.log").read_text()
     killed_at = len(steps.read_text().splitlines())
@@ -139,9 +99,9 @@ def test_a_killed_group_leaves_the_other_training_and_rejoins_with_its_weights(l
     while len(steps.read_text().splitlines()) < killed_at + 15:  # group 0 trains on alone
         assert first.poll() is None and time.monotonic() < deadline, "group 0 stopped training"
         time.sleep(0.1)
-    again = _group(lighthouse, 1, tmp_path / "group-1", *options, STARTED=str(started), **kill)
+    again = group_job(lighthouse, 1, tmp_path / "group-1", *options, STARTED=str(started), **kill)
     try:
-        log0, log1 = _wait(first), _wait(again)
+        log0, log1 = wait_ok(first), wait_ok(again)
     finally:
         kill_tree(again)
     left, joined, failed = _steps_alone(log0)
@@ -185,12 +145,12 @@ def test_a_2_rank_group_whose_rank_1_is_sigkilled_leaves_the_quorum_within_the_h
     torchft's, the likelier a kill finds rank 0 inside it."""
     steps = tmp_path / "group-0.steps"
     options = ("--task", "ft_tasks:kill_paced", "--max-epochs", "100", "--nproc", "2")
-    first = _group(lighthouse, 0, tmp_path / "group-0", *options, STEP_LOG=str(steps))
+    first = group_job(lighthouse, 0, tmp_path / "group-0", *options, STEP_LOG=str(steps))
     log1 = tmp_path / "group-1.log"
     processes = [first]
     try:
         for kill in range(3):
-            second = _group(lighthouse, 1, tmp_path / "group-1", *options)
+            second = group_job(lighthouse, 1, tmp_path / "group-1", *options)
             processes.append(second)
             deadline = time.monotonic() + 120
             while not _training_together(tmp_path, kill):
@@ -239,7 +199,7 @@ def test_a_whole_job_restart_from_snapshots_of_different_steps_heals_the_group_b
     options = ("--task", "ft_tasks:kill_paced", "--max-epochs", "3", "--save-every", "10", "--nproc", "1")
 
     def start(group: int, kill_step: int, **env: str) -> subprocess.Popen:
-        return _group(lighthouse, group, tmp_path / f"group-{group}", *options, KILL_RANK="0",
+        return group_job(lighthouse, group, tmp_path / f"group-{group}", *options, KILL_RANK="0",
                       KILL_STEP=str(kill_step), KILL_MARKER=str(tmp_path / f"killed-{group}"),
                       KILL_ONCE_SAVED=str(tmp_path / f"group-{group}" / "snapshots"), STEP_SLEEP="0.05", **env)
 
@@ -256,7 +216,7 @@ def test_a_whole_job_restart_from_snapshots_of_different_steps_heals_the_group_b
     time.sleep(2)  # group 1 at the lighthouse first, alone
     ahead = start(0, 55)
     try:
-        log1, log0 = _wait(behind), _wait(ahead)
+        log1, log0 = wait_ok(behind), wait_ok(ahead)
     finally:
         kill_tree(behind)
         kill_tree(ahead)
@@ -274,11 +234,11 @@ def test_a_group_resumed_alone_after_the_others_finished_waits_then_trains_on(li
     start waits for the other group (at most --timeout, here 5 s, or 60 s), says so in one line
     and trains on alone rather than failing: the others may have finished, or be gone."""
     options = ("--task", "regression", "--nproc", "1", "--save-every", "10")
-    pair = [_group(lighthouse, g, tmp_path / f"group-{g}", *options, "--max-steps", "10") for g in (0, 1)]
+    pair = [group_job(lighthouse, g, tmp_path / f"group-{g}", *options, "--max-steps", "10") for g in (0, 1)]
     for process in pair:
-        _wait(process)
+        wait_ok(process)
     started = time.monotonic()
-    log = _wait(_group(lighthouse, 1, tmp_path / "group-1", *options, "--max-steps", "20", "--timeout", "5"))
+    log = wait_ok(group_job(lighthouse, 1, tmp_path / "group-1", *options, "--max-steps", "20", "--timeout", "5"))
     assert "only 1 of 2 replica groups reached the lighthouse within 5 s of this resumed start; training on" in log, log
     assert time.monotonic() - started < 120
     assert read_metrics(tmp_path / "group-1")[-1]["step"] == 20
@@ -293,14 +253,14 @@ def test_a_group_restarted_after_the_others_finished_the_job_says_so_and_trains_
     options = ("--task", "ft_tasks:kill_paced", "--max-epochs", "1", "--save-every", "10", "--nproc", "1")
     kill = {"KILL_RANK": "0", "KILL_STEP": "15", "KILL_MARKER": str(tmp_path / "killed"),
             "KILL_ONCE_SAVED": str(tmp_path / "group-1" / "snapshots")}
-    pair = [_group(lighthouse, 0, tmp_path / "group-0", *options, STEP_SLEEP="0.02"),
-            _group(lighthouse, 1, tmp_path / "group-1", *options, **kill)]
+    pair = [group_job(lighthouse, 0, tmp_path / "group-0", *options, STEP_SLEEP="0.02"),
+            group_job(lighthouse, 1, tmp_path / "group-1", *options, **kill)]
     finish(pair[1], 240)
     assert pair[1].returncode != 0 and (tmp_path / "killed").exists(), (tmp_path / "group-1.log").read_text()
-    assert "replica group 1 left" in _wait(pair[0])
+    assert "replica group 1 left" in wait_ok(pair[0])
     before = (tmp_path / "group-1.log").read_text()
     started = time.monotonic()
-    log = _wait(_group(lighthouse, 1, tmp_path / "group-1", *options, **kill))[len(before):]
+    log = wait_ok(group_job(lighthouse, 1, tmp_path / "group-1", *options, **kill))[len(before):]
     assert time.monotonic() - started < 60  # no wait for groups that will not come
     lines = [line for line in log.splitlines() if line.startswith("ddptrain: the other replica groups")]
     assert lines == ["ddptrain: the other replica groups finished this job (the lighthouse's last quorum took step "
@@ -314,9 +274,9 @@ def _lighthouse_killed(tmp_path: Path, restart_after_s: float | None, *options: 
     """Two groups train; at group 0's 20th loss their lighthouse is SIGKILLed, and started again
     on its address ``restart_after_s`` later (None: never). The groups, and when it was killed."""
     port, steps = free_port(), tmp_path / "group-0.steps"
-    server = _start_lighthouse(port, 5000, min_replicas=2)  # (why: the restart test's docstring)
+    server = start_lighthouse(port, 5000, min_replicas=2)  # (why: the restart test's docstring)
     address = f"http://127.0.0.1:{port}"
-    pair = [_group(address, g, tmp_path / f"group-{g}", "--task", "ft_tasks:kill_paced", "--nproc", "1", *options,
+    pair = [group_job(address, g, tmp_path / f"group-{g}", "--task", "ft_tasks:kill_paced", "--nproc", "1", *options,
                    STEP_SLEEP="0.05", **({"STEP_LOG": str(steps)} if g == 0 else {})) for g in (0, 1)]
     try:
         deadline = time.monotonic() + 120
@@ -328,7 +288,7 @@ def _lighthouse_killed(tmp_path: Path, restart_after_s: float | None, *options: 
         killed_at = time.monotonic()
         if restart_after_s is not None:
             time.sleep(restart_after_s)
-            server = _start_lighthouse(port, 5000, min_replicas=2)  # (the killed one's connections still linger)
+            server = start_lighthouse(port, 5000, min_replicas=2)  # (the killed one's connections still linger)
         for process in pair:
             finish(process, 240)
         return pair, killed_at

@@ -31,9 +31,10 @@ class DDPStrategy(Strategy):
                 raise no_blocks_error("--activation-checkpointing")
             checkpoint_blocks(module, blocks)
         model: torch.nn.Module = torch.compile(module) if self.cfg.compile else module  # type: ignore[assignment]  # compile's stub says callable; a module's is one
-        # Every rank's gradients meet (group None), unless replica groups sync every --sync-every steps.
+        # Every rank's gradients meet (group None), unless this job's ranks are replica groups that
+        # sync every --sync-every steps (under torchft, each group is a job of its own: all of this one).
         group, alone = None, self.ctx.world_size == 1
-        if self.cfg.sync != "every-step":
+        if self.cfg.sync != "every-step" and self.cfg.fault_tolerance != "torchft":
             self.replica_mesh = ReplicaMesh(self.cfg, self.ctx)
             group, alone = self.replica_mesh.inside, self.replica_mesh.size == 1
         if alone:  # nobody to talk to every step: DDP would only add its overhead

@@ -20,11 +20,15 @@ where every group holds the same weights: the snapshot's model is the last synce
 outer optimizer's momentum is in it (``state_dict``), and so is every group's inner optimizer
 (``GroupOptimizers``), so a killed run resumes exactly. What a stop signal stops between syncs
 resumes from the sync before it.
+
+Under ``--fault-tolerance torchft`` the groups are torchft's replica groups, jobs of their own,
+and a sync is their meeting at the lighthouse (``SemiSync``'s docstring; docs/slow-links.md).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -58,18 +62,36 @@ class ReplicaMesh:
         self.across, self.inside = mesh.get_group("across"), mesh.get_group("inside")
 
 
-class SemiSync:
-    """Syncs the replica groups every ``--sync-every`` steps; a component of every snapshot."""
+class GroupsMeeting(Protocol):
+    """torchft's replica groups (resilience/replicas.py), each a job of its own, as SemiSync meets them."""
 
-    def __init__(self, cfg: RunConfig, mesh: ReplicaMesh, params: list[torch.nn.Parameter],
-                 marks: CollectiveMarks) -> None:
-        self.kind, self.mesh, self.marks = cfg.sync, mesh, marks
+    def meet(self, step: int,
+             contribution: Callable[[bool], tuple[torch.Tensor, bool]]) -> tuple[torch.Tensor, int] | None: ...
+
+
+class SemiSync:
+    """Syncs the replica groups every ``--sync-every`` steps; a component of every snapshot.
+
+    The groups are a ``ReplicaMesh`` of this job's ranks, or torchft's replica groups
+    (``groups``), jobs of their own that meet at a lighthouse. There a meeting is torchft's
+    quorum, and a group that failed between two meetings heals in the next from a live peer.
+    Both kinds run as a pseudo-gradient over the last synced weights (the anchor), local SGD with
+    an outer SGD of lr 1 and no momentum: a group that healed brings zeros, and the others' mean
+    is over the groups that trained. A meeting not committed (a group failed in it) takes every
+    group back to the anchor."""
+
+    def __init__(self, cfg: RunConfig, params: list[torch.nn.Parameter], marks: CollectiveMarks,
+                 mesh: ReplicaMesh | None = None, groups: GroupsMeeting | None = None) -> None:
+        self.kind, self.mesh, self.groups, self.marks = cfg.sync, mesh, groups, marks
         self.every, outer_lr, momentum = cfg.sync_settings
+        if self.kind == "local-sgd":
+            outer_lr, momentum = 1.0, 0.0
         self.params = [p for p in params if p.requires_grad]  # frozen ones (LoRA's base) never differ
+        self.step = 0  # the global step this rank stands after
         self.synced_step = 0  # the global step after which the groups last held the same weights
         self.anchor: list[torch.Tensor] = []
         self.outer: torch.optim.Optimizer | None = None
-        if self.kind == "diloco":  # the last synced weights, and the outer optimizer over them
+        if self.kind == "diloco" or groups is not None:  # the last synced weights, and the outer optimizer over them
             self.anchor = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
             self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=momentum, nesterov=momentum > 0)
 
@@ -79,44 +101,79 @@ class SemiSync:
 
     def after_step(self, global_step: int) -> bool:
         """Call after every optimizer step on every rank: True when this step ended in a sync."""
+        self.step = global_step
         if global_step % self.every:
             return False
         self.sync(global_step)
         return True
 
-    def sync(self, global_step: int) -> None:
-        """The groups meet (every rank, after the same step)."""
-        if self.synced(global_step):
+    def sync(self, global_step: int, start: bool = False) -> None:
+        """The groups meet (every rank, after the same step). ``start``: torchft's groups meet
+        before their first step too, where a restarted group heals from the others."""
+        if self.synced(global_step) and not start:
             return
+        self.step = global_step
         with self.marks.waiting(SYNC.format(kind=self.kind), global_step), torch.no_grad():
-            if self.outer is None:
-                average_parameters(iter(self.params), self.mesh.across)
+            if self.groups is not None:
+                self._meet(start)
+            elif self.outer is None:
+                average_parameters(iter(self.params), self.mesh.across)  # type: ignore[union-attr]  # a mesh where no groups
             else:
-                self._outer_step()
-        self.synced_step = global_step
+                self._outer_step(self._mesh_mean())
+        self.synced_step = self.step  # (after a heal, the peer's)
 
-    def _outer_step(self) -> None:
-        assert self.outer is not None
-        changes = [anchor - param for anchor, param in zip(self.anchor, self.params)]  # this group's pseudo-gradient
-        flat = _flatten_dense_tensors(changes)
+    def _changes(self) -> torch.Tensor:
+        """This group's pseudo-gradient since the last sync, flattened."""
+        return _flatten_dense_tensors([anchor - param for anchor, param in zip(self.anchor, self.params)])
+
+    def _mesh_mean(self) -> torch.Tensor:
+        assert self.mesh is not None
+        flat = self._changes()
         dist.all_reduce(flat, group=self.mesh.across)
-        flat.div_(self.mesh.replicas)
-        for anchor, mean in zip(self.anchor, _unflatten_dense_tensors(flat, changes)):
-            anchor.grad = mean
+        return flat.div_(self.mesh.replicas)
+
+    def _meet(self, start: bool) -> None:
+        """torchft's groups: one meeting; the outer step when any group brought a change."""
+        assert self.groups is not None
+
+        def contribution(healed: bool) -> tuple[torch.Tensor, bool]:
+            counts = not (start or healed)  # (at the start, nobody trained since the anchor)
+            flat = self._changes()
+            return (flat if counts else flat.zero_()), counts
+
+        met = self.groups.meet(self.step, contribution)
+        if met is not None and met[1] > 0:
+            total, counted = met
+            self._outer_step(total.div_(counted))
+        else:  # not committed: back to the anchor; nobody trained: it is the weights already
+            for param, anchor in zip(self.params, self.anchor):
+                param.copy_(anchor)
+
+    def _outer_step(self, mean: torch.Tensor) -> None:
+        """The outer optimizer's step over the anchor with the groups' mean pseudo-gradient
+        (``mean``, flattened); every group's weights become the result."""
+        assert self.outer is not None
+        for anchor, change in zip(self.anchor, _unflatten_dense_tensors(mean, self.anchor)):
+            anchor.grad = change
         self.outer.step()
         for param, anchor in zip(self.params, self.anchor):
             param.copy_(anchor)
 
-    # --- state: taken at syncs only, where the weights are the last synced ones ----------------
+    # --- state: a snapshot's, taken at syncs only, where the weights are the last synced ones ----
     def state_dict(self) -> dict[str, Any]:
-        return {"synced_step": self.synced_step, **({"outer": self.outer.state_dict()} if self.outer else {})}
+        state = {"synced_step": self.synced_step, "step": self.step,
+                 **({"outer": self.outer.state_dict()} if self.outer else {})}
+        if self.step != self.synced_step:  # a heal's state, given by a live peer in a meeting
+            state["anchor"] = [anchor.detach() for anchor in self.anchor]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """After the weights were loaded: they are the last synced ones."""
+        """After the weights were loaded: in a snapshot, they are the last synced ones."""
         self.synced_step = state.get("synced_step", 0)
+        self.step = state.get("step", self.synced_step)
         with torch.no_grad():
-            for anchor, param in zip(self.anchor, self.params):
-                anchor.copy_(param)
+            for anchor, synced in zip(self.anchor, state.get("anchor") or self.params):
+                anchor.copy_(synced)
         if self.outer is not None and state.get("outer"):
             self.outer.load_state_dict(state["outer"])
 

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed import ReduceOp
 
 from ..comm import DistContext, broadcast_object
 from ..config import RunConfig
@@ -202,6 +203,7 @@ class ReplicaGroups:
         self.healed = False
         self.committed = True  # the last step was taken by every member
         self.samples_skipped = 0
+        self.unmet_samples = 0  # --sync local-sgd|diloco: the samples trained since the groups last met
         self.watch = LighthouseWatch(self.address, info, cfg.timeout) if ctx.is_main else None
         # (every rank wrote its pid file before the process group formed)
         self.siblings = SiblingWatch(RunDir.of(cfg.run_dir).local / "pids", ctx.rank) if ctx.world_size > 1 else None
@@ -265,6 +267,11 @@ class ReplicaGroups:
         if self.in_step:
             return False
         self.in_step = True
+        self._join(step)
+        return self.healed
+
+    def _join(self, step: int) -> None:
+        """Join the quorum after ``step``; at the job's start, wait for every group."""
         # torchft's step is ddptrain's: the group furthest on (after a whole-job restart from
         # snapshots of different steps too) is the one the others heal from
         self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
@@ -276,7 +283,6 @@ class ReplicaGroups:
         if self.healed:  # (the step it trains first with the others)
             self.info(f"step {self.manager.current_step() + 1}: replica group {self.group} rejoined from a live peer "
                       f"({self.present} of {self.groups} groups train)")
-        return self.healed
 
     def _wait_for_every_group(self, resumed: bool) -> None:
         """The job's start: no group trains before every group is in the quorum. A group that
@@ -361,11 +367,46 @@ class ReplicaGroups:
         self.samples_skipped += step_samples * (self.groups - present) // self.groups
         return committed
 
+    # --- --sync local-sgd | diloco: the groups meet every --sync-every steps, not every step -------
+    def trained(self, step_samples: int) -> None:
+        """A step taken between two meetings (``step_samples``: its samples over all N groups)."""
+        self.unmet_samples += step_samples
+
+    def meet(self, step: int,
+             contribution: Callable[[bool], tuple[torch.Tensor, bool]]) -> tuple[torch.Tensor, int] | None:
+        """The groups' meeting after ``step`` under --sync local-sgd|diloco: the quorum (a group
+        behind heals in it from a live peer), then one all-reduce, a sum, of what each group
+        brings, ``contribution(healed)``: a flat tensor, and whether it counts (a group that
+        healed brings zeros: its state is the peer's, whose change would count twice). Returns the
+        sum and how many groups it counts, or None when the meeting is not committed (a group
+        failed in it: every group then goes back to the last synced weights)."""
+        self.healed = False
+        self._join(step)
+        flat, counts = contribution(self.healed)
+        slots = torch.zeros(self.groups + 1, dtype=flat.dtype, device=flat.device)
+        slots[self.group], slots[-1] = 1.0, float(counts)  # present; counted
+        total = torch.cat([flat, slots])
+        self.manager.allreduce(total, reduce_op=ReduceOp.SUM).wait()
+        committed = bool(self.manager.should_commit())
+        unmet, self.unmet_samples = self.unmet_samples, 0
+        if not committed:
+            self.info(f"step {step}: the replica groups' sync was not taken (a group failed during it); every group "
+                      "goes back to the weights of the sync before, and the steps since are skipped")
+            self.samples_skipped += unmet
+            return None
+        counted = round(total[-1].item())
+        self._note_members({g for g, share in enumerate(total[flat.numel():-1].tolist()) if share > 0}, step)
+        self.samples_skipped += unmet * (self.groups - counted) // self.groups
+        return total[:flat.numel()], counted
+
     def state_dict(self) -> dict[str, Any]:
-        return {"samples_skipped": self.samples_skipped}
+        # (the samples since the last meeting: a live peer's, given in a heal; a snapshot, taken at a meeting, has none)
+        return {"samples_skipped": self.samples_skipped, **({"unmet_samples": self.unmet_samples}
+                                                             if self.unmet_samples else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.samples_skipped = int(state.get("samples_skipped", 0))
+        self.unmet_samples = int(state.get("unmet_samples", 0))
 
     def close(self) -> None:
         for watch in (self.watch, self.siblings):

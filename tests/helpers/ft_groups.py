@@ -1,0 +1,62 @@
+"""torchft replica groups in tests: a `ddptrain lighthouse` of the test's own, and each group a
+real `ddptrain train` job of its own meeting there (tests/integration/test_fault_tolerance.py,
+test_semi_sync.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+from ddptrain import free_port
+from helpers.commands import BIN, clean_env, finish, kill_tree
+
+ARGS = ["--fault-tolerance", "torchft", "--replica-groups", "2", "--batch-size", "16"]
+
+
+def start_lighthouse(port: int, heartbeat_ms: int, min_replicas: int = 1) -> subprocess.Popen:
+    """`ddptrain lighthouse` on 127.0.0.1:``port``, once it said where it listens."""
+    server = subprocess.Popen([str(BIN / "ddptrain"), "lighthouse", "--bind", f"127.0.0.1:{port}",
+                               "--heartbeat-timeout-ms", str(heartbeat_ms), "--join-timeout-ms", "1000",
+                               "--min-replicas", str(min_replicas)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    ready, _, _ = select.select([server.stdout], [], [], 120)  # its first line, or the test fails
+    first = server.stdout.readline() if ready else "(nothing within 120 s)"  # type: ignore[union-attr]
+    if not first.startswith(f"ddptrain: lighthouse on http://127.0.0.1:{port}: give every replica group"):
+        kill_tree(server)
+        raise AssertionError(f"ddptrain lighthouse did not start: {first}")
+    return server
+
+
+@contextlib.contextmanager
+def serving_lighthouse(request) -> Iterator[str]:
+    """A lighthouse for one test (a fixture's body): its address; heartbeat timeout the test's
+    ``heartbeat_ms`` mark, else 5 s."""
+    mark = request.node.get_closest_marker("heartbeat_ms")
+    port = free_port()
+    server = start_lighthouse(port, mark.args[0] if mark else 5000)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        kill_tree(server)
+        server.wait(timeout=30)
+
+
+def group_job(lighthouse: str, group: int, run_dir: Path, *extra: str, **env: str) -> subprocess.Popen:
+    """Group ``group``'s job; its output goes to a file beside its run dir (a pipe nobody reads
+    while the test waits for the other group would fill up and stall it)."""
+    args = [str(BIN / "ddptrain"), "train", *ARGS, "--lighthouse", lighthouse, "--replica-group", str(group),
+            "--run-dir", str(run_dir), *extra]
+    output = open(run_dir.with_name(run_dir.name + ".log"), "a")  # noqa: SIM115 - the process writes it
+    return subprocess.Popen(args, stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=clean_env(DDPTRAIN_FT_HOST="127.0.0.1", OMP_NUM_THREADS="1", **env))
+
+
+def wait_ok(process: subprocess.Popen, timeout: float = 240) -> str:
+    """Its output (the file's, this attempt's and earlier ones') once it ended, exit status 0."""
+    _, _, late = finish(process, timeout)
+    log = Path(process.args[process.args.index("--run-dir") + 1] + ".log").read_text()
+    assert not late and process.returncode == 0, f"rc {process.returncode}\n{log}"
+    return log

@@ -1,0 +1,95 @@
+"""--sync local-sgd | diloco across torchft replica groups: each group a real `ddptrain train` job
+meeting the other at a real lighthouse every --sync-every steps, and nowhere between. With every
+group present they are one job's groups (--replicas); a group SIGKILLed between two meetings
+leaves the other training, and heals from it at its next meeting."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from ddptrain.observe.report import summarize
+from helpers.commands import assert_same_weights, finish, fit, kill_tree, load_model, read_metrics
+from helpers.ft_groups import group_job, serving_lighthouse, wait_ok
+
+pytestmark = pytest.mark.slow
+
+HEARTBEAT_MS = 3000  # a group silent this long counts as failed
+
+
+@pytest.fixture
+def lighthouse(request):
+    with serving_lighthouse(request) as address:
+        yield address
+
+
+@pytest.mark.parametrize("kind", ["diloco", "local-sgd"])
+def test_with_every_group_present_two_torchft_groups_are_one_jobs_two_groups(lighthouse, tmp_path, kind):
+    """Group G reads rank G's share of 2, as rank G of a 2-rank job in 2 groups of one does; both
+    meet every 4 steps. DiLoCo (its default outer step: lr 0.7, Nesterov 0.9) is bitwise that
+    job's: the same mean of two pseudo-gradients, the same outer step; the groups' first meeting,
+    before any step, brings nothing and changes nothing. Local SGD is allclose (across jobs it
+    is the mean of the pseudo-gradients subtracted from the last synced weights; in one job,
+    torch's average of the weights)."""
+    options = ("--task", "regression", "--max-epochs", "2", "--nproc", "1", "--sync", kind, "--sync-every", "4")
+    groups = [group_job(lighthouse, g, tmp_path / f"group-{g}", *options) for g in (0, 1)]
+    logs = [wait_ok(p) for p in groups]
+    fit("regression", tmp_path / "one-job", sync=kind, sync_every=4, replicas=2, max_epochs=2, batch_size=16)
+    weights = [load_model(tmp_path / f"group-{g}") for g in (0, 1)]
+    assert_same_weights(weights[0], weights[1], exact=True)
+    assert_same_weights(weights[0], load_model(tmp_path / "one-job"), exact=kind == "diloco")
+    for g in (0, 1):
+        assert [r["samples"] for r in read_metrics(tmp_path / f"group-{g}")] == [2048, 2048]
+        assert read_metrics(tmp_path / f"group-{g}")[-1]["samples_skipped"] == 0
+        assert " left;" not in logs[g] and "not taken" not in logs[g], logs[g]
+
+
+@pytest.mark.heartbeat_ms(HEARTBEAT_MS)
+def test_a_group_killed_between_meetings_leaves_the_other_training_and_heals_at_its_next(lighthouse, tmp_path):
+    """DiLoCo every 4 steps, snapshots every 8. Group 1 SIGKILLs itself at its 27th loss (after
+    its snapshot of step 24); group 0 trains on: its steps never wait longer than the
+    lighthouse's heartbeat timeout + 4 s. Group 1 is started again (the same command) once group
+    0 trained 15 steps more: it resumes at step 24, waits at the lighthouse for group 0's next
+    meeting, heals there from group 0's live state (the last synced weights, the outer momentum,
+    where the run stands) and brings nothing to it. Both end bitwise equal; samples_skipped
+    counts group 1's share of every meeting it did not bring a change to."""
+    steps, started = tmp_path / "group-0.steps", tmp_path / "group-1.started"
+    kill = {"KILL_RANK": "0", "KILL_STEP": "27", "KILL_MARKER": str(tmp_path / "killed"),
+            "KILL_ONCE_SAVED": str(tmp_path / "group-1" / "snapshots"), "STEP_SLEEP": "0.05"}
+    options = ("--task", "ft_tasks:kill_paced", "--max-epochs", "3", "--save-every", "8", "--nproc", "1",
+               "--sync", "diloco", "--sync-every", "4")
+    first = group_job(lighthouse, 0, tmp_path / "group-0", *options, STEP_LOG=str(steps), STEP_SLEEP="0.05",
+                      HOLD_AT="70", HOLD_UNTIL=str(started))
+    second = group_job(lighthouse, 1, tmp_path / "group-1", *options, **kill)
+    finish(second, 240)
+    assert second.returncode != 0 and (tmp_path / "killed").exists(), (tmp_path / "group-1.log").read_text()
+    killed_at = len(steps.read_text().splitlines())
+    deadline = time.monotonic() + 120
+    while len(steps.read_text().splitlines()) < killed_at + 15:  # group 0 trains on alone
+        assert first.poll() is None and time.monotonic() < deadline, "group 0 stopped training"
+        time.sleep(0.1)
+    again = group_job(lighthouse, 1, tmp_path / "group-1", *options, STARTED=str(started), **kill)
+    try:
+        log0, log1 = wait_ok(first), wait_ok(again)
+    finally:
+        kill_tree(again)
+    left = [int(s) for s in re.findall(r"step (\d+): replica group 1 left; 1 of 2 groups train on", log0)]
+    joined = [int(s) for s in re.findall(r"step (\d+): replica group 1 joined; 2 of 2 groups train", log0)]
+    assert left == [28] and len(joined) == 1 and joined[0] % 4 == 0 and joined[0] > 40, log0
+    assert "resumed from" in log1 and "step-000000024.pt" in log1, log1
+    assert re.search(rf"step {joined[0] + 1}: replica group 1 rejoined from a live peer", log1), log1
+    assert "not taken" not in log0 + log1
+    assert_same_weights(load_model(tmp_path / "group-0"), load_model(tmp_path / "group-1"), exact=True)
+    # a meeting where one group brought a change: the other's 4 steps x 16 samples are skipped
+    skipped = read_metrics(tmp_path / "group-0")[-1]["samples_skipped"]
+    assert skipped == 64 * ((joined[0] - left[0]) // 4 + 1), (skipped, left, joined)
+    assert read_metrics(tmp_path / "group-1")[-1]["samples_skipped"] == skipped
+    assert summarize(tmp_path / "group-0")["samples_skipped"] == skipped
+    times = [float(t) for t in steps.read_text().split()]
+    gaps = [b - a for n, (a, b) in enumerate(zip(times, times[1:]), start=2) if n != 70]  # (70: the test's wait)
+    assert max(gaps) < HEARTBEAT_MS / 1000 + 4, max(gaps)
+    assert [r["epoch"] for r in read_metrics(tmp_path / "group-0")] == [0, 1, 2]
+    # group 1's records: the epochs that ended after it rejoined (64 steps an epoch)
+    assert [r["epoch"] for r in read_metrics(tmp_path / "group-1")] == list(range(joined[0] // 64, 3))
