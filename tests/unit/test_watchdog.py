@@ -67,8 +67,46 @@ def test_heartbeats_are_a_twentieth_of_the_timeout_between_the_verdict_period_an
     assert beat_period(4.0) == PERIOD_S and beat_period(3600.0) == 5.0  # tests' short timeouts; never slower
 
 
+def test_verdict_polls_slow_down_in_proportion_to_the_ranks_beyond_1024_and_never_past_2_s():
+    from ddptrain.resilience.watchdog import PERIOD_S, verdict_period
+
+    assert verdict_period(2) == verdict_period(1024) == PERIOD_S  # every job of this suite: a failure ends all in 0.5 s
+    assert verdict_period(2048) == 1.0 and verdict_period(4096) == verdict_period(16384) == 2.0
+
+
 def test_a_store_unanswered_for_the_timeout_between_10_and_30_s_counts_as_lost():
     from ddptrain.resilience.watchdog import store_silent_s
 
     assert store_silent_s(300.0) == 30.0 and store_silent_s(20.0) == 20.0  # the default: half a minute
     assert store_silent_s(4.0) == 10.0  # a short --timeout never mistakes a busy store for a lost one
+
+
+def test_rank_0_reads_every_heartbeat_in_two_store_requests_however_many_ranks_have_not_started():
+    """At 4,096 ranks starting up, a read that checked each missing rank's key cost rank 0 two
+    requests per rank not yet started, every period; some ranks never got connected."""
+    import torch.distributed as dist
+
+    from ddptrain import free_port
+    from ddptrain.resilience.board import Board, Heartbeat
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)  # noqa: F841 - serves the boards
+    boards = [Board("127.0.0.1", port, rank, 1000) for rank in (0, 7)]
+
+    class Counted:
+        def __init__(self, store):
+            self.store, self.requests = store, 0
+
+        def __getattr__(self, name):
+            self.requests += 1
+            return getattr(self.store, name)
+
+    counted = boards[0].store = Counted(boards[0].store)
+    assert set(boards[0].heartbeats().values()) == {None} and counted.requests == 1  # nobody published yet
+    boards[1].publish(Heartbeat(3, True, "the gradient all-reduce (step 2)"))
+    boards[1].publish(Heartbeat(4, True, "the gradient all-reduce (step 3)"))  # listed once
+    counted.requests = 0
+    beats = boards[0].heartbeats()
+    assert counted.requests == 2 and len(beats) == 1000
+    assert beats[7] == Heartbeat(4, True, "the gradient all-reduce (step 3)")
+    assert [rank for rank, beat in beats.items() if beat is not None] == [7]

@@ -56,7 +56,9 @@ class Board:
         self.prefix = round_prefix()
         self.store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=30))
         self.store.set(self._key(f"info/{rank}"), json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+        self.store.append(self._key("hb_ranks"), "")  # (made by whoever comes first, never overwritten)
         self.left = False
+        self.listed = False  # this rank's name is in hb_ranks: it published a heartbeat
 
     def _key(self, name: str) -> str:
         return self.prefix + name
@@ -64,11 +66,22 @@ class Board:
     # --- heartbeats ------------------------------------------------------------------------
     def publish(self, beat: Heartbeat) -> None:
         self.store.set(self._key(f"hb/{self.rank}"), beat.encode())
+        if not self.listed:  # after the heartbeat: a rank listed has one to read
+            self.store.append(self._key("hb_ranks"), f"{self.rank},")
+            self.listed = True
 
     def heartbeats(self) -> dict[int, Heartbeat | None]:
-        """Every rank's newest heartbeat (None: it never published one)."""
-        posted = self._read({rank: self._key(f"hb/{rank}") for rank in range(self.world_size)})
-        return {rank: None if text is None else Heartbeat.decode(text) for rank, text in posted.items()}
+        """Every rank's newest heartbeat (None: it never published one), in two requests at any
+        number of ranks: the list of ranks that published, then their heartbeats. (Reading every
+        rank's key, with a check for each one missing, cost rank 0 two requests per rank not yet
+        started, every period: at 4,096 ranks starting up, thousands a second on the store they
+        were connecting to, and some never got through.)"""
+        listed = self.store.get(self._key("hb_ranks")).decode()
+        ranks = sorted({int(rank) for rank in listed.split(",") if rank})
+        texts = self.store.multi_get([self._key(f"hb/{rank}") for rank in ranks]) if ranks else []
+        posted = dict(zip(ranks, texts))
+        return {rank: Heartbeat.decode(posted[rank].decode()) if rank in posted else None
+                for rank in range(self.world_size)}
 
     # --- the verdict -----------------------------------------------------------------------
     def verdict(self) -> dict[str, Any] | None:
