@@ -56,7 +56,8 @@ class Board:
         self.prefix = round_prefix()
         self.store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=30))
         self.store.set(self._key(f"info/{rank}"), json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
-        self.store.append(self._key("hb_ranks"), "")  # (made by whoever comes first, never overwritten)
+        # (made by whoever comes first, never overwritten; torch's stub omits the store's append)
+        self.store.append(self._key("hb_ranks"), "")  # type: ignore[attr-defined]
         self.left = False
         self.listed = False  # this rank's name is in hb_ranks: it published a heartbeat
 
@@ -67,7 +68,7 @@ class Board:
     def publish(self, beat: Heartbeat) -> None:
         self.store.set(self._key(f"hb/{self.rank}"), beat.encode())
         if not self.listed:  # after the heartbeat: a rank listed has one to read
-            self.store.append(self._key("hb_ranks"), f"{self.rank},")
+            self.store.append(self._key("hb_ranks"), f"{self.rank},")  # type: ignore[attr-defined]  # (as above)
             self.listed = True
 
     def heartbeats(self) -> dict[int, Heartbeat | None]:
