@@ -75,10 +75,10 @@ class SemiSync:
     The groups are a ``ReplicaMesh`` of this job's ranks, or torchft's replica groups
     (``groups``), jobs of their own that meet at a lighthouse. There a meeting is torchft's
     quorum, and a group that failed between two meetings heals in the next from a live peer.
-    Both kinds run as a pseudo-gradient over the last synced weights (the anchor), local SGD with
-    an outer SGD of lr 1 and no momentum: a group that healed brings zeros, and the others' mean
-    is over the groups that trained. A meeting not committed (a group failed in it) takes every
-    group back to the anchor."""
+    Across torchft's groups local SGD runs as DiLoCo does, a pseudo-gradient over the last
+    synced weights (the anchor), with an outer SGD of lr 1 and no momentum: a group that healed
+    brings zeros, and the mean is over the groups that trained. A meeting not committed (a group
+    failed in it) takes every group back to the anchor."""
 
     def __init__(self, cfg: RunConfig, params: list[torch.nn.Parameter], marks: CollectiveMarks,
                  mesh: ReplicaMesh | None = None, groups: GroupsMeeting | None = None) -> None:
@@ -117,7 +117,7 @@ class SemiSync:
             if self.groups is not None:
                 self._meet(start)
             elif self.outer is None:
-                average_parameters(iter(self.params), self.mesh.across)  # type: ignore[union-attr]  # a mesh where no groups
+                average_parameters(iter(self.params), self.mesh.across)  # type: ignore[union-attr]  # no groups: a mesh
             else:
                 self._outer_step(self._mesh_mean())
         self.synced_step = self.step  # (after a heal, the peer's)
