@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import select
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,3 +61,27 @@ def wait_ok(process: subprocess.Popen, timeout: float = 240) -> str:
     log = Path(process.args[process.args.index("--run-dir") + 1] + ".log").read_text()
     assert not late and process.returncode == 0, f"rc {process.returncode}\n{log}"
     return log
+
+
+def group_1_killed_and_restarted(lighthouse: str, tmp_path: Path, options: tuple[str, ...],
+                                 kill: dict[str, str]) -> tuple[str, str]:
+    """Two groups of ``options``; group 1 kills itself as ``kill`` says, group 0 trains on
+    alone (its losses' times in ``group-0.steps``) for 15 more, then group 1 is started again
+    by the same command (group 0 waits at its 70th loss until it has). Both ends' logs."""
+    steps, started = tmp_path / "group-0.steps", tmp_path / "group-1.started"
+    first = group_job(lighthouse, 0, tmp_path / "group-0", *options, STEP_LOG=str(steps), STEP_SLEEP="0.05",
+                      HOLD_AT="70", HOLD_UNTIL=str(started))
+    second = group_job(lighthouse, 1, tmp_path / "group-1", *options, **kill)
+    finish(second, 240)
+    assert second.returncode != 0 and (tmp_path / "killed").exists(), (tmp_path / "group-1.log").read_text()
+    killed_at = len(steps.read_text().splitlines())
+    deadline = time.monotonic() + 120
+    while len(steps.read_text().splitlines()) < killed_at + 15:  # group 0 trains on alone
+        assert first.poll() is None and time.monotonic() < deadline, "group 0 stopped training"
+        time.sleep(0.1)
+    again = group_job(lighthouse, 1, tmp_path / "group-1", *options, STARTED=str(started), **kill)
+    try:
+        return wait_ok(first), wait_ok(again)
+    finally:
+        kill_tree(again)
+        kill_tree(first)

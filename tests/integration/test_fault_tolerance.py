@@ -24,7 +24,7 @@ from helpers.commands import (
     load_model,
     read_metrics,
 )
-from helpers.ft_groups import group_job, serving_lighthouse, start_lighthouse, wait_ok
+from helpers.ft_groups import group_1_killed_and_restarted, group_job, serving_lighthouse, start_lighthouse, wait_ok
 
 pytestmark = pytest.mark.slow
 
@@ -83,27 +83,13 @@ def test_a_killed_group_leaves_the_other_training_and_rejoins_with_its_weights(l
     busy machine still finds it training). Both end bitwise equal; group 0 never waited longer
     than the lighthouse's heartbeat timeout and 4 s (2.02-2.06 s measured with a 2 s timeout; 3 s
     here, for a busy machine); samples_skipped counts what group 1 missed."""
-    steps, started = tmp_path / "group-0.steps", tmp_path / "group-1.started"
+    steps = tmp_path / "group-0.steps"  # (group_1_killed_and_restarted writes it)
     kill = {"KILL_RANK": "0", "KILL_STEP": "30", "KILL_MARKER": str(tmp_path / "killed"),
             "KILL_ONCE_SAVED": str(tmp_path / "group-1" / "snapshots"), "STEP_SLEEP": "0.05"}
     # 96 steps either way: 2,048 samples in steps of 16 x ranks x 2 groups
     options = ("--task", "ft_tasks:kill_paced", "--max-epochs", str(3 * ranks), "--save-every", "10",
                "--nproc", str(ranks))
-    first = group_job(lighthouse, 0, tmp_path / "group-0", *options, STEP_LOG=str(steps), STEP_SLEEP="0.05",
-                   HOLD_AT="70", HOLD_UNTIL=str(started))
-    second = group_job(lighthouse, 1, tmp_path / "group-1", *options, **kill)
-    finish(second, 240)
-    assert second.returncode != 0 and (tmp_path / "killed").exists(), (tmp_path / "group-1.log").read_text()
-    killed_at = len(steps.read_text().splitlines())
-    deadline = time.monotonic() + 120
-    while len(steps.read_text().splitlines()) < killed_at + 15:  # group 0 trains on alone
-        assert first.poll() is None and time.monotonic() < deadline, "group 0 stopped training"
-        time.sleep(0.1)
-    again = group_job(lighthouse, 1, tmp_path / "group-1", *options, STARTED=str(started), **kill)
-    try:
-        log0, log1 = wait_ok(first), wait_ok(again)
-    finally:
-        kill_tree(again)
+    log0, log1 = group_1_killed_and_restarted(lighthouse, tmp_path, options, kill)
     left, joined, failed = _steps_alone(log0)
     assert joined - left >= 10, log0
     assert re.search(rf"step {joined}: replica group 1 rejoined from a live peer", log1), log1

@@ -6,13 +6,12 @@ leaves the other training, and heals from it at its next meeting."""
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 
 from ddptrain.observe.report import summarize
-from helpers.commands import assert_same_weights, finish, fit, kill_tree, load_model, read_metrics
-from helpers.ft_groups import group_job, serving_lighthouse, wait_ok
+from helpers.commands import assert_same_weights, fit, load_model, read_metrics
+from helpers.ft_groups import group_1_killed_and_restarted, group_job, serving_lighthouse, wait_ok
 
 pytestmark = pytest.mark.slow
 
@@ -55,26 +54,12 @@ def test_a_group_killed_between_meetings_leaves_the_other_training_and_heals_at_
     meeting, heals there from group 0's live state (the last synced weights, the outer momentum,
     where the run stands) and brings nothing to it. Both end bitwise equal; samples_skipped
     counts group 1's share of every meeting it did not bring a change to."""
-    steps, started = tmp_path / "group-0.steps", tmp_path / "group-1.started"
+    steps = tmp_path / "group-0.steps"  # (group_1_killed_and_restarted writes it)
     kill = {"KILL_RANK": "0", "KILL_STEP": "27", "KILL_MARKER": str(tmp_path / "killed"),
             "KILL_ONCE_SAVED": str(tmp_path / "group-1" / "snapshots"), "STEP_SLEEP": "0.05"}
     options = ("--task", "ft_tasks:kill_paced", "--max-epochs", "3", "--save-every", "8", "--nproc", "1",
                "--sync", "diloco", "--sync-every", "4")
-    first = group_job(lighthouse, 0, tmp_path / "group-0", *options, STEP_LOG=str(steps), STEP_SLEEP="0.05",
-                      HOLD_AT="70", HOLD_UNTIL=str(started))
-    second = group_job(lighthouse, 1, tmp_path / "group-1", *options, **kill)
-    finish(second, 240)
-    assert second.returncode != 0 and (tmp_path / "killed").exists(), (tmp_path / "group-1.log").read_text()
-    killed_at = len(steps.read_text().splitlines())
-    deadline = time.monotonic() + 120
-    while len(steps.read_text().splitlines()) < killed_at + 15:  # group 0 trains on alone
-        assert first.poll() is None and time.monotonic() < deadline, "group 0 stopped training"
-        time.sleep(0.1)
-    again = group_job(lighthouse, 1, tmp_path / "group-1", *options, STARTED=str(started), **kill)
-    try:
-        log0, log1 = wait_ok(first), wait_ok(again)
-    finally:
-        kill_tree(again)
+    log0, log1 = group_1_killed_and_restarted(lighthouse, tmp_path, options, kill)
     left = [int(s) for s in re.findall(r"step (\d+): replica group 1 left; 1 of 2 groups train on", log0)]
     joined = [int(s) for s in re.findall(r"step (\d+): replica group 1 joined; 2 of 2 groups train", log0)]
     assert left == [28] and len(joined) == 1 and joined[0] % 4 == 0 and joined[0] > 40, log0
