@@ -12,7 +12,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
-from .config import RunConfig, parse_nproc, validate
+from .config import RunConfig
+from .config_checks import parse_nproc, validate
 from .errors import ConfigError, Stopped, TrainingFailed  # noqa: F401 - ddptrain.api's names too
 from .run_dir import RunDir
 from .settings import from_options, read_settings_file, setting_name

@@ -113,7 +113,7 @@ def test_an_empty_tracker_name_is_one_line(given):
 
 def test_torchft_replica_groups_share_the_data_and_count_in_the_global_batch():
     from ddptrain.comm import DistContext
-    from ddptrain.config import validate
+    from ddptrain.config_checks import validate
     from ddptrain.resilience.replicas import data_context
 
     cfg = RunConfig(fault_tolerance="torchft", replica_group=1, replica_groups=3, batch_size=4, grad_accum=2)
