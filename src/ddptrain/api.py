@@ -72,7 +72,7 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
     home.check()  # a store's URL, client, credentials and bucket: one line, before any rank starts
     home.create()
     if cfg.fault_tolerance == "torchft":  # the lighthouse answers: one line, before any rank starts
-        from .resilience.replicas import check_lighthouse
+        from .resilience.lighthouse import check_lighthouse
 
         check_lighthouse(cfg)
     if cfg.resume not in ("auto", "never"):

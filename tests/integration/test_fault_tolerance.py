@@ -327,7 +327,7 @@ def test_a_lighthouse_address_that_is_no_lighthouse_is_one_line_before_any_rank_
 
     from ddptrain import ConfigError
     from ddptrain.config import RunConfig
-    from ddptrain.resilience.replicas import check_lighthouse
+    from ddptrain.resilience.lighthouse import check_lighthouse
 
     other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # 501 to all
     threading.Thread(target=other.serve_forever, daemon=True).start()

@@ -1,7 +1,8 @@
 """``ddptrain lighthouse``: torchft's lighthouse (its ``LighthouseServer``, in this process),
 which the replica groups of ``--fault-tolerance torchft`` reach at every step to learn which
 groups are alive (resilience/replicas.py). One per run; loopback unless told otherwise. And
-the groups' side: whether it answers (its dashboard), and a line when it stops and comes back."""
+the groups' side: where it is (--lighthouse), whether it answers before any rank starts (one line if not),
+and a line when it stops and comes back."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import signal
 import socket
 import threading
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 
+from ..config import RunConfig
 from ..errors import ConfigError
 
 
@@ -71,6 +75,46 @@ def read_dashboard(address: str, page: str = "/", timeout_s: float = 5.0) -> str
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with direct.open(address.rstrip("/") + page, timeout=timeout_s) as answer:
         return answer.read(1 << 20).decode(errors="replace")
+
+
+def lighthouse_address(cfg: RunConfig) -> str:
+    """``--lighthouse``, else TORCHFT_LIGHTHOUSE (``http://HOST:PORT``; ``HOST:PORT`` too)."""
+    address = cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+    if not address:
+        raise ConfigError("--fault-tolerance torchft needs the lighthouse's address: give --lighthouse "
+                          "http://HOST:PORT or set TORCHFT_LIGHTHOUSE (ddptrain lighthouse starts one)")
+    address = address if "://" in address else f"http://{address}"
+    try:
+        where = urllib.parse.urlsplit(address)
+        port = where.port
+    except ValueError:
+        port = None
+    if where.scheme not in ("http", "https") or not where.hostname or port is None:
+        raise ConfigError(f"--lighthouse {cfg.lighthouse or address}: not a lighthouse's address; give "
+                          "http://HOST:PORT (`ddptrain lighthouse` prints it)")
+    return address
+
+
+LIGHTHOUSE_CHECK_S = 5.0  # the start's wait for the lighthouse's answer
+
+
+def check_lighthouse(cfg: RunConfig) -> None:
+    """Before any rank starts: a torchft lighthouse answers at the address, one line if not: none
+    listens, something listens but never answers, or what answers is no lighthouse (its dashboard,
+    the page a lighthouse serves at ``/``, is missing)."""
+    address = lighthouse_address(cfg)
+    start = "start one (ddptrain lighthouse) or give its address"
+    try:
+        page = read_dashboard(address, timeout_s=LIGHTHOUSE_CHECK_S)
+    except urllib.error.HTTPError as error:  # it answered, with an error: no lighthouse's dashboard
+        page = f"HTTP {error.code}"
+    except (OSError, ValueError) as error:
+        if isinstance(error, TimeoutError) or isinstance(getattr(error, "reason", None), TimeoutError):
+            raise ConfigError(f"--lighthouse {address}: something accepts connections there but did not answer "
+                              f"within {LIGHTHOUSE_CHECK_S:g} s; {start}") from None
+        raise ConfigError(f"--lighthouse {address}: no lighthouse answers there; {start}") from None
+    if "torchft" not in page:
+        raise ConfigError(f"--lighthouse {address}: what answers there is not a torchft lighthouse; {start}")
 
 
 class LighthouseWatch:

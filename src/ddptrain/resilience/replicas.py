@@ -42,9 +42,6 @@ import os
 import re
 import socket
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -58,7 +55,7 @@ from ..comm import DistContext, broadcast_object
 from ..config import RunConfig
 from ..errors import ConfigError, LighthouseLost
 from ..run_dir import RunDir
-from .lighthouse import LighthouseWatch, quiet_torchft, read_dashboard
+from .lighthouse import LIGHTHOUSE_CHECK_S, LighthouseWatch, lighthouse_address, quiet_torchft, read_dashboard
 from .siblings import SiblingWatch
 
 # The lighthouse's dashboard, /status: a member of the last quorum and the step it joined for
@@ -79,46 +76,6 @@ def torchft_logs_to(path: Path) -> None:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger.addHandler(handler)
     logger.propagate = False
-
-
-def lighthouse_address(cfg: RunConfig) -> str:
-    """``--lighthouse``, else TORCHFT_LIGHTHOUSE (``http://HOST:PORT``; ``HOST:PORT`` too)."""
-    address = cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
-    if not address:
-        raise ConfigError("--fault-tolerance torchft needs the lighthouse's address: give --lighthouse "
-                          "http://HOST:PORT or set TORCHFT_LIGHTHOUSE (ddptrain lighthouse starts one)")
-    address = address if "://" in address else f"http://{address}"
-    try:
-        where = urllib.parse.urlsplit(address)
-        port = where.port
-    except ValueError:
-        port = None
-    if where.scheme not in ("http", "https") or not where.hostname or port is None:
-        raise ConfigError(f"--lighthouse {cfg.lighthouse or address}: not a lighthouse's address; give "
-                          "http://HOST:PORT (`ddptrain lighthouse` prints it)")
-    return address
-
-
-LIGHTHOUSE_CHECK_S = 5.0  # the start's wait for the lighthouse's answer
-
-
-def check_lighthouse(cfg: RunConfig) -> None:
-    """Before any rank starts: a torchft lighthouse answers at the address, one line if not: none
-    listens, something listens but never answers, or what answers is no lighthouse (its dashboard,
-    the page a lighthouse serves at ``/``, is missing)."""
-    address = lighthouse_address(cfg)
-    start = "start one (ddptrain lighthouse) or give its address"
-    try:
-        page = read_dashboard(address, timeout_s=LIGHTHOUSE_CHECK_S)
-    except urllib.error.HTTPError as error:  # it answered, with an error: no lighthouse's dashboard
-        page = f"HTTP {error.code}"
-    except (OSError, ValueError) as error:
-        if isinstance(error, TimeoutError) or isinstance(getattr(error, "reason", None), TimeoutError):
-            raise ConfigError(f"--lighthouse {address}: something accepts connections there but did not answer "
-                              f"within {LIGHTHOUSE_CHECK_S:g} s; {start}") from None
-        raise ConfigError(f"--lighthouse {address}: no lighthouse answers there; {start}") from None
-    if "torchft" not in page:
-        raise ConfigError(f"--lighthouse {address}: what answers there is not a torchft lighthouse; {start}")
 
 
 def data_context(cfg: RunConfig, ctx: DistContext) -> DistContext:
