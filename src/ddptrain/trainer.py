@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from .data import EvalBatches, MicroBatch, StreamBatches, is_stream, training_ba
 from .errors import ConfigError
 from .evaluations import Evaluations
 from .final_models import write_final_models
+from .group_sync import GroupSync
 from .observe.metrics import (
     EpochLosses,
     GradNorms,
@@ -103,7 +104,6 @@ class Trainer:
         self.optimizer = task.make_optimizer(trained) if task.make_optimizer else build_optimizer(trained, cfg)
         self.average = WeightAverage(self.module, cfg.ema, cfg.ema_every) if cfg.ema else None  # --ema
         self.weights = ModelAndOptimizer(self.strategy, self.module, self.optimizer, self.average)
-        self.save_at_sync = False  # --sync local-sgd|diloco: a snapshot asked for between two syncs, taken at the next
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.precision == "fp16" and self.device.type == "cuda")
 
     def _choose_start(self) -> None:
@@ -175,6 +175,7 @@ class Trainer:
                       **({"group_optimizers": GroupOptimizers(self.optimizer, mesh, ctx)} if mesh is not None else {})},
             start=self.start, group=self.cpu_group, uploads=self.uploads,
             on_committed=self.ray.committed if self.ray.active else None)
+        self.groups = GroupSync(self.replicas, self.semi_sync, self.reporter.waited)
         self.stop_signal = StopSignal(self.cpu_group, self.checkpointer.due_by_time if ctx.is_main else None,
                                       self.watchdog)
 
@@ -273,8 +274,7 @@ class Trainer:
                                f"{self.steps_per_epoch or 'as many as the stream gives'} steps per epoch")
         if self.cfg.epochs == 0:  # the initial model's evaluation, before epoch 0
             self.reporter.log(self._evaluation(0))
-        if self.replicas is not None and self.semi_sync is not None:  # torchft's groups meet (a restarted one heals)
-            self._meet_replicas(lambda: self.semi_sync.sync(self.progress.global_step, start=True))  # type: ignore[union-attr]  # checked above
+        self.groups.start(self.progress.global_step)  # torchft's --sync groups meet (a restarted one heals)
         while not self.cadence.done():
             try:
                 ended_by = self._run_epoch(self.progress.epoch)
@@ -303,8 +303,7 @@ class Trainer:
         # LoRA model's base would train without dropout until the first evaluation switched it,
         # and a resume would differ from the run it continues).
         self.model.train()
-        if self.replicas is not None:
-            self.replicas.healed = False  # (a heal leaves the epoch: this one starts where it put the run)
+        self.groups.epoch_started()
         if self.cfg.log_ranks:  # the tutorial's per-rank line (Steps: optimizer steps)
             say(f"{self.ctx.tag} Epoch:{epoch}|Batchsize:{self.cfg.batch_size}|Steps:{self.steps_per_epoch or '?'}")
         self.reporter.epoch_started(epoch, self.steps_per_epoch, self.progress.step_in_epoch)
@@ -320,7 +319,7 @@ class Trainer:
             if action.save_now:
                 self._save()
         self.reporter.epoch_finished()
-        if self.replicas is not None and self.replicas.healed:
+        if self.groups.healed:
             return "healed"
         ran_out = not action.leaves_epoch
         if ran_out and self.progress.step_in_epoch == 0:  # (a map-style set is never empty: checked)
@@ -337,9 +336,8 @@ class Trainer:
     def _train_step(self, steps: Iterator[list[tuple[Any, MicroBatch]]]) -> bool:
         """The epoch's next step, if it has one (False: the epoch's data is over, or this replica
         group healed from a peer and the epoch goes on where the peer's state stands)."""
-        if self.replicas is not None and self.semi_sync is None:  # torchft's groups meet every step
-            if self._meet_replicas(lambda: self.replicas.begin_step(self.progress.global_step)):  # type: ignore[union-attr]  # checked above
-                return False  # this step goes on from the peer's position (its quorum is held)
+        if self.groups.before_step(self.progress.global_step):  # torchft's every-step quorum: healed
+            return False  # this step goes on from the peer's position (its quorum is held)
         fetching = time.perf_counter()
         group = next(steps, None)
         if group is None:  # (a quorum joined here is the next epoch's first step's)
@@ -354,31 +352,16 @@ class Trainer:
         self.progress.step_done(step_samples)
         self.tally.step_done(loss)
         # (--sync local-sgd|diloco: the groups meet inside the step they end, as a profile shows it)
-        synced = self.semi_sync is not None and self._sync_after_step(step_samples)
+        synced = self.groups.after_step(self.progress.global_step, step_samples)
         self.profiler.step_done()
         shown = loss is not None and self.progress.global_step % LOSS_DISPLAY_EVERY == 0
         self.reporter.step_done(self.progress.global_step,  # the loss shown: rank 0's mean
                                loss * self.ctx.world_size if shown and loss is not None else None)
-        if self.replicas is not None and self.replicas.healed:  # (in a meeting: the run stands where the peer's does)
+        if self.groups.healed:  # (in a meeting: the run stands where the peer's does)
             return False
-        if synced and self.save_at_sync:  # the snapshot asked for since the last sync
+        if synced and self.groups.save_at_sync:  # the snapshot asked for since the last sync
             self._save()
         return True
-
-    def _sync_after_step(self, step_samples: int) -> bool:
-        """--sync local-sgd|diloco, after each step: True when the groups met."""
-        assert self.semi_sync is not None
-        if self.replicas is None:
-            return self.semi_sync.after_step(self.progress.global_step)
-        self.replicas.trained(step_samples)
-        return self._meet_replicas(lambda: self.semi_sync.after_step(self.progress.global_step))  # type: ignore[union-attr]  # asserted
-
-    def _meet_replicas(self, meeting: Callable[[], bool | None]) -> bool:
-        """torchft's groups meet: a failed group's stall and a heal are in it, counted as waiting."""
-        quorum = time.perf_counter()
-        met = bool(meeting())
-        self.reporter.waited(time.perf_counter() - quorum)
-        return met
 
     def _share_buffers(self) -> None:
         share_buffers(self.strategy, self.module, self.watchdog, self.progress.global_step)
@@ -390,7 +373,7 @@ class Trainer:
         also = {} if self.replicas is None else {"samples_skipped": self.replicas.samples_skipped}  # torchft's
         record = self.tally.epoch_record(epoch, since, self._epoch_samples(partial is not None), partial, **also)
         if self.cadence.evaluate_at_epoch_end(epoch, partial is not None):
-            self._sync_groups()
+            self.groups.now(self.progress.global_step)
             with self.reporter.timed("eval", self.progress.global_step):
                 self.evaluations.add_to(record)
         self.reporter.log(record)
@@ -407,7 +390,7 @@ class Trainer:
     def _evaluation(self, epoch: int) -> dict[str, Any]:
         """An evaluation record of its own (at the start, or every --eval-every-steps), judged."""
         record = {"kind": "eval", "epoch": epoch, "step": self.progress.global_step}
-        self._sync_groups()
+        self.groups.now(self.progress.global_step)
         with self.reporter.timed("eval", self.progress.global_step):
             self.evaluations.add_to(record)
         return record
@@ -418,23 +401,15 @@ class Trainer:
         ``last``: the checkpointer's commit follows before anything changes the state."""
         if not self.checkpointer.wants(self.progress.global_step):
             return
-        if self.semi_sync is not None and not self.semi_sync.synced(self.progress.global_step):
-            self.save_at_sync = not last  # the groups' weights differ until the next sync: a snapshot then
+        if self.groups.snapshot_waits(self.progress.global_step, last):  # --sync: the groups' weights differ
             return
-        self.save_at_sync = False
         with self.reporter.timed("snapshot", self.progress.global_step):
             self.tally.before_snapshot()
             self._share_buffers()
             self.checkpointer.save(self.progress.global_step, last=last)
 
-    def _sync_groups(self) -> None:
-        """--sync local-sgd|diloco: the replica groups meet now, if they have not after this step.
-        An evaluation is of one model, and so is the end of a run, whatever step it comes at."""
-        if self.semi_sync is not None:
-            self.semi_sync.sync(self.progress.global_step)
-
     def _finish(self, exiting: bool) -> None:
-        self._sync_groups()
+        self.groups.now(self.progress.global_step)
         self._save(last=True)
         self.checkpointer.commit()
         self._share_buffers()  # (a no-op when _save just did it: rare)
