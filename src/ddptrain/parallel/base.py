@@ -90,6 +90,17 @@ def return_large_buffers_to_os() -> None:
         pass
 
 
+def replica_groups(cfg: RunConfig, ctx: DistContext) -> tuple[int, int]:
+    """(groups, ranks per group) of --replicas (hsdp's groups, --sync's): one group per node
+    unless --replicas says how many; consecutive ranks, so a group is a node by default.
+    ConfigError when the count does not divide the ranks."""
+    replicas = cfg.replicas or max(1, ctx.world_size // ctx.local_world_size)
+    if ctx.world_size % replicas:
+        raise ConfigError(f"--replicas {replicas} does not divide the {ctx.world_size} ranks into equal "
+                          "groups; choose a divisor of the number of ranks")
+    return replicas, ctx.world_size // replicas
+
+
 def no_blocks_error(what: str) -> ConfigError:
     return ConfigError(f"{what} needs blocks: the model has no ModuleList or Sequential with parameters; "
                        "name them with Task.blocks = lambda model: [...]")

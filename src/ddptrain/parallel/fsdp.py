@@ -26,9 +26,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from ..comm import DistContext
 from ..config import RunConfig
 from ..console import say
-from ..errors import ConfigError
 from ..tasks.protocol import Task
-from .base import Strategy, checkpoint_blocks, find_blocks, no_blocks_error
+from .base import Strategy, checkpoint_blocks, find_blocks, no_blocks_error, replica_groups
 from .precision import autocast_dtype
 
 
@@ -123,11 +122,7 @@ class HSDPStrategy(FSDPStrategy):
 
     def __init__(self, cfg: RunConfig, ctx: DistContext) -> None:
         super().__init__(cfg, ctx)
-        self.replicas = cfg.replicas or max(1, ctx.world_size // ctx.local_world_size)  # one per node
-        if ctx.world_size % self.replicas:
-            raise ConfigError(f"--replicas {self.replicas} does not divide the {ctx.world_size} ranks into equal "
-                              "groups; choose a divisor of the number of ranks")
-        self.group_size = ctx.world_size // self.replicas
+        self.replicas, self.group_size = replica_groups(cfg, ctx)  # one per node by default
         self.counts_gradients = ctx.rank < self.group_size  # the first group's shards; the others repeat them
 
     def mesh(self) -> DeviceMesh | None:

@@ -38,6 +38,7 @@ from torch.distributed.algorithms.model_averaging.utils import average_parameter
 from ..comm import CollectiveMarks, DistContext
 from ..config import RunConfig
 from ..errors import ConfigError
+from .base import replica_groups
 
 SYNC = "the replica groups' sync (--sync {kind})"
 
@@ -47,14 +48,10 @@ class ReplicaMesh:
     group's process group, ``across`` the one joining it to the same place in the other groups."""
 
     def __init__(self, cfg: RunConfig, ctx: DistContext) -> None:
-        self.replicas = cfg.replicas or max(1, ctx.world_size // ctx.local_world_size)  # one per node
-        if ctx.world_size % self.replicas:
-            raise ConfigError(f"--replicas {self.replicas} does not divide the {ctx.world_size} ranks into equal "
-                              "groups; choose a divisor of the number of ranks")
+        self.replicas, self.size = replica_groups(cfg, ctx)  # one per node by default
         if self.replicas < 2:
             raise ConfigError(f"--sync {cfg.sync} needs 2 or more replica groups, and this job has one (one per node "
                               "by default); run on several nodes, or set --replicas R to split the ranks")
-        self.size = ctx.world_size // self.replicas
         self.index = ctx.rank // self.size  # this rank's group
         from torch.distributed.device_mesh import init_device_mesh
 
