@@ -16,9 +16,9 @@ os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(TESTS / "helpers"), os.environ.get("PYTHONPATH", "")) if p)
 sys.path.insert(0, str(TESTS / "helpers"))
-# torch's TCPStore server looks up the name of every peer that connects (pytorch#159007), and
-# a peer on loopback arrives as ::ffff:127.0.0.1, which /etc/hosts does not name: the query goes
-# to DNS. This project's machines drop about 1 query in 25, and glibc waits 5 s before it asks
+# torch's TCPStore looks up names at every connection: the server each peer's (pytorch#159007),
+# the client the address it connects to (strace: a PTR query for 127.0.0.1, which the client
+# reaches over IPv6 as ::ffff:127.0.0.1 and /etc/hosts does not name): the queries go to DNS. This project's machines drop about 1 query in 25, and glibc waits 5 s before it asks
 # again (measured: 4 of 100 store connections took 5.0 s). One second before asking again
 # keeps the answer and spares the suite minutes of waiting on a resolver no test is about.
 os.environ.setdefault("RES_OPTIONS", "timeout:1")
