@@ -18,9 +18,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 sys.path.insert(0, str(TESTS / "helpers"))
 # torch's TCPStore looks up names at every connection: the server each peer's (pytorch#159007),
 # the client the address it connects to (strace: a PTR query for 127.0.0.1, which the client
-# reaches over IPv6 as ::ffff:127.0.0.1 and /etc/hosts does not name): the queries go to DNS. This project's machines drop about 1 query in 25, and glibc waits 5 s before it asks
-# again (measured: 4 of 100 store connections took 5.0 s). One second before asking again
-# keeps the answer and spares the suite minutes of waiting on a resolver no test is about.
+# reaches over IPv6 as ::ffff:127.0.0.1 and /etc/hosts does not name): the queries go to DNS.
+# This project's machines drop about 1 query in 25, and glibc waits 5 s before it asks again
+# (measured: 4 of 100 store connections took 5.0 s). One second before asking again keeps the
+# answer and spares the suite minutes of waiting on a resolver no test is about.
 os.environ.setdefault("RES_OPTIONS", "timeout:1")
 
 import pytest  # noqa: E402
@@ -40,6 +41,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     order = {f"integration/{name}": place for place, name in enumerate(LONGEST_FIRST)}
     # stable: a file's tests stay in their order
     items.sort(key=lambda item: order.get(f"{item.path.parent.name}/{item.path.name}", len(order)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """DDPTRAIN_TEST_CPU=FILE: a line per test with its wall time and the CPU it cost (this
+    process's and every subprocess's it waited for: launchers, ranks, servers stopped in it), so
+    a suite's CPU is found where it goes (the suite is CPU-bound two files at a time).
+    Summed by file: ``python tests/helpers/cpu_by_file.py FILE``."""
+    path = os.environ.get("DDPTRAIN_TEST_CPU")
+    if not path:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    began, cpu_began = time.monotonic(), cpu()
+    yield
+    with open(path, "a") as out:
+        out.write(f"{item.nodeid}\t{time.monotonic() - began:.2f}\t{cpu() - cpu_began:.2f}\n")
 
 
 # Set by pytest itself, or by torch when a module is first imported: not a test's doing.
