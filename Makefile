@@ -32,8 +32,9 @@ train: install
 # Two test files at a time (pytest-xdist): a file's tests share its fixtures on one worker, and
 # tests that wait by design (a silent store, a hang's --timeout) wait beside others' work
 # (docs/development.md). CI's .ci/suite_budget.py reads the output.
+WORKERS ?= 2
 test: dev lint docs  # the 25 slowest tests listed at the end: where the suite's time goes
-	$(BIN)/pytest -q -n 2 --dist loadfile --durations=25 tests
+	$(BIN)/pytest -q -n $(WORKERS) --dist loadfile --durations=25 tests
 
 test-fast: dev  # the unit tests but the few slow ones: pure logic in this process, under 10 s
 	$(BIN)/pytest -q -m 'not slow' tests/unit
