@@ -89,3 +89,62 @@ def test_a_live_peers_state_between_meetings_carries_its_anchor():
         other_weight.copy_(weight)  # the heal's weights, then its states
     other.load_state_dict(state)
     assert torch.equal(other.anchor[0].detach(), torch.tensor([1.0, 2.0])) and not other.synced(1)
+
+
+class Groups:
+    """torchft's replica groups as the loop's GroupSync uses them: what each step trained, and a
+    quorum before a step that may heal this group."""
+
+    def __init__(self, heals_at: int | None = None) -> None:
+        self.heals_at, self.healed, self.trained_samples = heals_at, False, 0
+
+    def trained(self, step_samples: int) -> None:
+        self.trained_samples += step_samples
+
+    def begin_step(self, step: int) -> bool:
+        self.healed = step == self.heals_at
+        return self.healed
+
+
+def test_the_loop_meets_nobody_with_one_group():
+    from ddptrain.group_sync import GroupSync
+
+    waits: list[float] = []
+    groups = GroupSync(None, None, waits.append)
+    groups.start(0)
+    groups.epoch_started()
+    assert not groups.before_step(0) and not groups.after_step(1, 8) and not groups.healed
+    groups.now(1)
+    assert not groups.snapshot_waits(1, last=False) and not groups.save_at_sync
+    assert waits == []  # nothing met, no time counted as waiting
+
+
+def test_the_loop_meets_every_sync_every_steps_and_a_snapshot_between_waits_for_the_next():
+    from ddptrain.group_sync import GroupSync
+
+    meeting, replicas, waits = Meeting(peer=torch.zeros(2)), Groups(), []
+    semi_sync, weight = _sync(meeting)  # --sync-every 2
+    groups = GroupSync(replicas, semi_sync, waits.append)
+    groups.start(0)  # before the first step: the groups meet (nothing trained moves nothing)
+    assert meeting.brought is not None and len(waits) == 1
+    assert not groups.before_step(0)  # (--sync: no quorum before each step)
+    _train(weight, [0.5, 0.5])
+    assert not groups.after_step(1, 8) and len(waits) == 2  # a step that ends between meetings
+    assert groups.snapshot_waits(1, last=False) and groups.save_at_sync  # taken at the next meeting
+    _train(weight, [0.5, 0.5])
+    assert groups.after_step(2, 8) and replicas.trained_samples == 16
+    assert not groups.snapshot_waits(2, last=False) and not groups.save_at_sync  # the groups are one model
+    # a stop signal between meetings (last): no snapshot now, nor one later; the one at step 2 stands
+    assert groups.snapshot_waits(3, last=True) and not groups.save_at_sync
+
+
+def test_torchfts_every_step_quorum_is_before_each_step_and_counts_as_waiting():
+    from ddptrain.group_sync import GroupSync
+
+    replicas, waits = Groups(heals_at=5), []
+    groups = GroupSync(replicas, None, waits.append)
+    assert not groups.before_step(4) and not groups.healed
+    assert groups.before_step(5) and groups.healed  # healed: the step goes on from the peer's position
+    groups.epoch_started()
+    assert not groups.healed and len(waits) == 2
+    assert not groups.after_step(5, 8) and replicas.trained_samples == 0  # the gradients met inside the step
