@@ -29,10 +29,11 @@ dev: $(VENV)/.installed-dev
 train: install
 	$(BIN)/ddptrain train
 
-# Two test files at a time (pytest-xdist): a file's tests share its fixtures on one worker, and
-# tests that wait by design (a silent store, a hang's --timeout) wait beside others' work
-# (docs/development.md). CI's .ci/suite_budget.py reads the output.
-WORKERS ?= 2
+# Three test files at a time on 2 cores (pytest-xdist): a file's tests share its fixtures on one
+# worker, and tests that wait by design (a silent store, a hang's --timeout) wait beside others'
+# work: two files at a time left a third of the cores idle (docs/development.md). CI's
+# .ci/suite_budget.py reads the output.
+WORKERS ?= 3
 test: dev lint docs  # the 25 slowest tests listed at the end: where the suite's time goes
 	$(BIN)/pytest -q -n $(WORKERS) --dist loadfile --durations=25 tests
 
