@@ -22,11 +22,23 @@ def _numel(dims) -> int:
     return size
 
 
+def _events(run_dir: Path, rank: int) -> list[dict]:
+    trace = json.loads((Path(run_dir) / "profile" / f"rank-{rank}.json").read_text())
+    return sorted((e for e in trace["traceEvents"] if e.get("ph") == "X"), key=lambda e: e["ts"])
+
+
+def step_seconds(run_dir: Path, rank: int = 0) -> list[float]:
+    """Each profiled step's time from its start to the next one's (the last: its own span), in
+    seconds: what the stop agreement measures when it spaces its checks."""
+    steps = [e for e in _events(run_dir, rank) if e["name"].startswith("ProfilerStep")]
+    ends = [after["ts"] for after in steps[1:]] + [steps[-1]["ts"] + steps[-1]["dur"]]
+    return [(end - step["ts"]) / 1e6 for step, end in zip(steps, ends)]
+
+
 def collectives_per_step(run_dir: Path, rank: int = 0) -> list[collections.Counter]:
     """For each profiled step, a Counter of ``"kind[elements]"`` this rank started in it (the
     ops are recorded on the calling thread when called, so each lands in the step that called it)."""
-    trace = json.loads((Path(run_dir) / "profile" / f"rank-{rank}.json").read_text())
-    events = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X"), key=lambda e: e["ts"])
+    events = _events(run_dir, rank)
     steps = [e for e in events if e["name"].startswith("ProfilerStep")]
     ops = [e for e in events if e["name"] in KINDS]
     return [collections.Counter(f"{KINDS[e['name']]}[{_numel(e['args'].get('Input Dims'))}]" for e in ops

@@ -115,6 +115,17 @@ def _wandb_pairs(run_dir):
     return pairs
 
 
+def _assert_holds_the_records(held: set[tuple[str, int]], expected: set[tuple[str, int]]) -> None:
+    """A tracker holds every (metric, step) of metrics.jsonl, and nothing else but what a killed
+    attempt measured of a step the resumed run redid and measured otherwise: a straggler's
+    figures exist only in an epoch where a rank straggled (a busy machine's timing), and a
+    tracker cannot take back what it was sent. Epoch 1's record (step 46) is redone when the
+    kill beat step 46's snapshot."""
+    assert expected <= held, sorted(expected - held)
+    others = held - expected
+    assert all(key.startswith("straggler") and step <= 50 for key, step in others), sorted(others)
+
+
 @pytest.mark.parametrize("kill_step", [47, 62])
 def test_a_kill_at_any_moment_leaves_every_tracker_each_metric_and_step_once(mlflow_server, tmp_path, kill_step):
     """mlflow, wandb (offline) and csv at once, digits for 4 epochs; rank 0 SIGKILLed at its 47th
@@ -123,7 +134,8 @@ def test_a_kill_at_any_moment_leaves_every_tracker_each_metric_and_step_once(mlf
     early in epoch 2), once step 23's snapshot is on disk; the same command resumes from the
     newest snapshot (step 46, or 23 if the kill beat its writer). Each tracker then holds every
     (metric, step) of metrics.jsonl once: the resumed run sent each what it lacked of the
-    records before its snapshot."""
+    records before its snapshot. (A busy machine's stragglers in a redone epoch: see
+    ``_assert_holds_the_records``; seen once beside a CPU hog, three test files at a time.)"""
     from ddptrain.observe.tracking import metrics_of
 
     run_dir, experiment = tmp_path / "run", f"kill-{kill_step}"
@@ -139,11 +151,14 @@ def test_a_kill_at_any_moment_leaves_every_tracker_each_metric_and_step_once(mlf
     expected = {(key, r["step"]) for r in every_record(run_dir) for key in metrics_of(r)}  # goodput's too
 
     run = _only_run(mlflow_server, experiment)
-    held = [(key, step) for key in {k for k, _ in expected} for step, _ in mlflow_server.history(run.info.run_id, key)]
-    assert sorted(held) == sorted(expected)  # each once: a repeated step would be listed twice
+    keys = {k for k, _ in expected} | {"straggler_wait_s", "stragglers/0", "stragglers/1"}
+    held = [(key, step) for key in keys for step, _ in mlflow_server.history(run.info.run_id, key)]
+    assert len(held) == len(set(held)), sorted(held)  # each once: a repeated step would be listed twice
+    _assert_holds_the_records(set(held), expected)
 
     wandb = _wandb_pairs(run_dir)
-    assert set(wandb) == expected and set(wandb.values()) == {1}, wandb
+    _assert_holds_the_records(set(wandb), expected)
+    assert set(wandb.values()) == {1}, wandb
 
     import csv
 
