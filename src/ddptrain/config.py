@@ -1,4 +1,4 @@
-"""The run's configuration: one frozen dataclass, one help text per field, validated once.
+"""The run's configuration: one frozen dataclass, one help text per field, validated once (config_checks.py).
 
 The command line (cli.py), settings files (``--config FILE.toml`` or a run's own
 ``config.json``) and ``ddptrain.fit(**options)`` all become a ``RunConfig`` through

@@ -1,8 +1,8 @@
 """``ddptrain lighthouse``: torchft's lighthouse (its ``LighthouseServer``, in this process),
 which the replica groups of ``--fault-tolerance torchft`` reach at every step to learn which
 groups are alive (resilience/replicas.py). One per run; loopback unless told otherwise. And
-the groups' side: where it is (--lighthouse), whether it answers before any rank starts (one line if not),
-and a line when it stops and comes back."""
+the groups' side: where it is (--lighthouse), whether it answers before any rank starts (one
+line if not), and a line when it stops and comes back."""
 
 from __future__ import annotations
 
