@@ -46,7 +46,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """DDPTRAIN_TEST_CPU=FILE: a line per test with its wall time and the CPU it cost (this
-    process's and every subprocess's it waited for: launchers, ranks, servers stopped in it), so
+    process's and every subprocess's it waited for: launchers, ranks, servers stopped in it), its
+    worker and when it started, so
     a suite's CPU is found where it goes (the suite is CPU-bound two files at a time).
     Summed by file: ``python tests/helpers/cpu_by_file.py FILE``."""
     path = os.environ.get("DDPTRAIN_TEST_CPU")
@@ -60,10 +61,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
-    began, cpu_began = time.monotonic(), cpu()
+    began, cpu_began, started = time.monotonic(), cpu(), time.time()
     yield
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(path, "a") as out:
-        out.write(f"{item.nodeid}\t{time.monotonic() - began:.2f}\t{cpu() - cpu_began:.2f}\n")
+        out.write(f"{item.nodeid}\t{time.monotonic() - began:.2f}\t{cpu() - cpu_began:.2f}\t{worker}\t{started:.1f}\n")
 
 
 # Set by pytest itself, or by torch when a module is first imported: not a test's doing.

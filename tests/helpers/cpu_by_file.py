@@ -14,7 +14,7 @@ def by_file(lines: list[str]) -> dict[str, tuple[float, float, int]]:
     """{test file: (wall s, CPU s, tests)}."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
     for line in lines:
-        nodeid, wall, cpu = line.rstrip("\n").split("\t")
+        nodeid, wall, cpu = line.rstrip("\n").split("\t")[:3]
         total = totals[nodeid.split("::", 1)[0]]
         total[0] += float(wall)
         total[1] += float(cpu)
@@ -32,10 +32,25 @@ def main(path: str, top: int = 25) -> None:
         print(f"{name:52} {count:5d} {wall:8.1f} {cpu:8.1f} {cpu / max(wall, 1e-9):8.2f}")
     print(f"{'all (' + str(len(lines)) + ' tests)':52} {'':5} {wall_all:8.1f} {cpu_all:8.1f} "
           f"{cpu_all / max(wall_all, 1e-9):8.2f}")
-    tests = sorted((line.rstrip("\n").split("\t") for line in lines), key=lambda t: -float(t[2]))
+    tests = sorted((line.rstrip("\n").split("\t")[:3] for line in lines), key=lambda t: -float(t[2]))
     print("\nthe CPU-heaviest tests:")
     for nodeid, wall, cpu in tests[:top]:
         print(f"{float(cpu):8.1f} CPU s {float(wall):8.1f} wall s  {nodeid}")
+    print_workers(lines)
+
+
+def print_workers(lines: list[str]) -> None:
+    """When each worker ran its last test: a worker idle long before the last one ends is time a
+    better order of the files would win (the files that run last are named)."""
+    rows = [line.rstrip("\n").split("\t") for line in lines]
+    rows = [(row[3], float(row[4]), float(row[1]), row[0].split("::", 1)[0]) for row in rows if len(row) >= 5]
+    if not rows:
+        return
+    first = min(start for _, start, _, _ in rows)
+    print("\nworker   ends at s  its last file")
+    for worker in sorted({row[0] for row in rows}):
+        *_, (_, start, wall, name) = sorted((row for row in rows if row[0] == worker), key=lambda row: row[1])
+        print(f"{worker:8} {start + wall - first:9.0f}  {name}")
 
 
 if __name__ == "__main__":

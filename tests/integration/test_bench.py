@@ -76,7 +76,8 @@ def test_the_control_plane_benchmark_at_256_simulated_ranks_names_the_hung_rank(
     steps, the last one stops, rank 0's judge names it (the figures are the script's business)."""
     script = Path(__file__).parents[2] / "benchmarks" / "control_plane.py"
     result = run([str(BIN / "python"), str(script), "--ranks", "256", "--workers", "4", "--steady-s", "1",
-                  "--timeout", "2", "--capacity-clients", "4", "--json", str(tmp_path / "cp.json")], timeout=300)
+                  "--timeout", "2", "--capacity-procs", "2", "--capacity-clients", "2", "--capacity-probes", "1",
+                  "--json", str(tmp_path / "cp.json")], timeout=300)
     assert_ok(result)
     (row,) = json.loads((tmp_path / "cp.json").read_text())["rows"]
     assert row["ranks"] == 256 and row["named_right"] and row["ops_per_s"] > 0, row

@@ -5,7 +5,8 @@ A thread per rank talks to the job's store (its own connection, see launch/group
 - **Heartbeat.** The training loop marks each collective it enters (``arrive``) and leaves
   (``depart``): plain attribute writes, nothing on the step's path waits. The thread
   publishes ``(collectives entered, inside one?, label, the collective it is in)`` when it
-  changed, every ``beat_period`` (a twentieth of ``--timeout``, 0.5 to 5 s).
+  changed, every ``beat_period`` (a twentieth of ``--timeout``, 0.5 to 5 s; beyond 1,024
+  ranks at least in proportion to the ranks).
 - **Fail fast.** A rank that raises publishes a verdict (the first one wins, through the
   store's compare-and-set); every other rank's thread sees it within ``PERIOD_S`` and ends
   its process, even when its main thread is blocked in a collective or ignores SIGTERM.
@@ -41,7 +42,8 @@ from .flight import in_flight, last_entered, recent
 from .hangs import dump_stacks, hang_summary, judge_hang, refine
 
 PERIOD_S = 0.5  # how often each rank's thread wakes: looks for a verdict, publishes its heartbeat when due
-VERDICT_RANKS, MAX_VERDICT_S = 1024, 2.0  # beyond this many ranks the verdict polls slow down (verdict_period)
+SCALE_RANKS = 1024  # beyond this many ranks the heartbeats and the verdict polls slow down in proportion
+MAX_VERDICT_S = 2.0  # the verdict polls' slowest period (verdict_period)
 BEAT_SHARE, MAX_BEAT_S = 20, 5.0  # heartbeats every --timeout / 20, at most every 5 s (beat_period)
 STACK_WAIT_S = 10.0  # how long the judge waits for the ranks' answers to a hang (collectives, then stacks)
 CONFIG_ERROR_GRACE_S = 3.0  # a configuration error usually hits every rank: let them return it
@@ -58,21 +60,23 @@ def store_silent_s(timeout_s: float) -> float:
     return min(max(timeout_s, low), high)
 
 
-def beat_period(timeout_s: float, period_s: float = PERIOD_S) -> float:
+def beat_period(timeout_s: float, world_size: int = 1, period_s: float = PERIOD_S) -> float:
     """How often a rank publishes its heartbeat (when it changed) and rank 0 reads them all: a
-    twentieth of --timeout, between the verdict polls' period and MAX_BEAT_S. A hang is named
-    within --timeout + 2 of these; at the default --timeout 300 (5 s) the heartbeats are a tenth
-    of what they were at every period, which matters at thousands of ranks (control_plane.py)."""
-    return min(max(timeout_s / BEAT_SHARE, period_s), MAX_BEAT_S)
+    twentieth of --timeout, between the verdict polls' period and MAX_BEAT_S; beyond SCALE_RANKS
+    ranks at least ``period_s`` x ranks / SCALE_RANKS, so the store's heartbeats a second stay
+    flat from there on. A hang is named within --timeout + 2 of these: at the default --timeout
+    300 every 5 s whatever the size; at --timeout 5, every 0.5 s up to 1,024 ranks and every
+    2 s at 4,096, where the heartbeats were three quarters of the store's load (control_plane.py)."""
+    return min(max(timeout_s / BEAT_SHARE, period_s * max(world_size / SCALE_RANKS, 1.0)), MAX_BEAT_S)
 
 
 def verdict_period(world_size: int, period_s: float = PERIOD_S) -> float:
-    """How often a rank looks for a verdict: every period up to VERDICT_RANKS ranks, then less
+    """How often a rank looks for a verdict: every period up to SCALE_RANKS ranks, then less
     often in proportion to the ranks, at most every MAX_VERDICT_S. Every rank's poll is a store
     request: at 4,096 ranks and --timeout 5 the polls were half of the store's load (15,900
     requests a second, 15% of what it served here: control_plane.py); beyond 1,024 ranks their
     share stays flat, and a failure ends every rank within 2 s instead of 0.5 s."""
-    return min(max(period_s * world_size / VERDICT_RANKS, period_s), MAX_VERDICT_S)
+    return min(max(period_s * world_size / SCALE_RANKS, period_s), MAX_VERDICT_S)
 
 
 class Watchdog(CollectiveMarks):
@@ -84,7 +88,7 @@ class Watchdog(CollectiveMarks):
         self.hosts_store = hosts_store  # this process serves the store: it leaves last
         self.address = (env.master_addr, env.master_port)
         self.timeout_s, self.period_s = timeout_s, period_s
-        self.beat_period_s = beat_period(timeout_s, period_s)
+        self.beat_period_s = beat_period(timeout_s, self.world_size, period_s)
         self.verdict_period_s = verdict_period(self.world_size, period_s)
         self.run_dir = Path(run_dir) if run_dir else None
         # Written by the rank's main thread, read by the watchdog thread.
