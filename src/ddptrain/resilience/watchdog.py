@@ -6,7 +6,7 @@ A thread per rank talks to the job's store (its own connection, see launch/group
   (``depart``): plain attribute writes, nothing on the step's path waits. The thread
   publishes ``(collectives entered, inside one?, label, the collective it is in)`` when it
   changed, every ``beat_period`` (a twentieth of ``--timeout``, 0.5 to 5 s; beyond 1,024
-  ranks at least in proportion to the ranks).
+  ranks slower in proportion to the ranks, up to a quarter of ``--timeout``).
 - **Fail fast.** A rank that raises publishes a verdict (the first one wins, through the
   store's compare-and-set); every other rank's thread sees it within ``PERIOD_S`` and ends
   its process, even when its main thread is blocked in a collective or ignores SIGTERM.
@@ -45,6 +45,7 @@ PERIOD_S = 0.5  # how often each rank's thread wakes: looks for a verdict, publi
 SCALE_RANKS = 1024  # beyond this many ranks the heartbeats and the verdict polls slow down in proportion
 MAX_VERDICT_S = 2.0  # the verdict polls' slowest period (verdict_period)
 BEAT_SHARE, MAX_BEAT_S = 20, 5.0  # heartbeats every --timeout / 20, at most every 5 s (beat_period)
+STALE_SHARE = 4  # however many ranks, heartbeats at least every --timeout / 4 (beat_period)
 STACK_WAIT_S = 10.0  # how long the judge waits for the ranks' answers to a hang (collectives, then stacks)
 CONFIG_ERROR_GRACE_S = 3.0  # a configuration error usually hits every rank: let them return it
 STORE_LOSS_GRACE_S = 2.0  # the store's host (rank 0) may simply have finished first
@@ -64,10 +65,13 @@ def beat_period(timeout_s: float, world_size: int = 1, period_s: float = PERIOD_
     """How often a rank publishes its heartbeat (when it changed) and rank 0 reads them all: a
     twentieth of --timeout, between the verdict polls' period and MAX_BEAT_S; beyond SCALE_RANKS
     ranks at least ``period_s`` x ranks / SCALE_RANKS, so the store's heartbeats a second stay
-    flat from there on. A hang is named within --timeout + 2 of these: at the default --timeout
-    300 every 5 s whatever the size; at --timeout 5, every 0.5 s up to 1,024 ranks and every
-    2 s at 4,096, where the heartbeats were three quarters of the store's load (control_plane.py)."""
-    return min(max(timeout_s / BEAT_SHARE, period_s * max(world_size / SCALE_RANKS, 1.0)), MAX_BEAT_S)
+    flat from there on, but never more than a quarter of --timeout: the judge sees a heartbeat
+    up to two periods old, and one older than --timeout reads as a rank that stopped. A hang is
+    named within --timeout + 2 of these: at the default --timeout 300 every 5 s whatever the
+    size; at --timeout 5, every 0.5 s up to 1,024 ranks and every 1.25 s from 2,560 on, where
+    the heartbeats were three quarters of the store's load (control_plane.py)."""
+    scaled = min(max(timeout_s / BEAT_SHARE, period_s * max(world_size / SCALE_RANKS, 1.0)), MAX_BEAT_S)
+    return min(scaled, max(timeout_s / STALE_SHARE, period_s))
 
 
 def verdict_period(world_size: int, period_s: float = PERIOD_S) -> float:
