@@ -31,11 +31,12 @@ train: install
 
 # Three test files at a time on 2 cores (pytest-xdist): a file's tests share its fixtures on one
 # worker, and tests that wait by design (a silent store, a hang's --timeout) wait beside others'
-# work: two files at a time left a third of the cores idle (docs/development.md). CI's
-# .ci/suite_budget.py reads the output.
+# work: two files at a time left a third of the cores idle, four were slower (docs/development.md).
+# --no-loadscope-reorder: the files go out in tests/conftest.py's order, the longest first (xdist
+# otherwise sorts them by their number of tests). CI's .ci/suite_budget.py reads the output.
 WORKERS ?= 3
 test: dev lint docs  # the 25 slowest tests listed at the end: where the suite's time goes
-	$(BIN)/pytest -q -n $(WORKERS) --dist loadfile --durations=25 tests
+	$(BIN)/pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 test-fast: dev  # the unit tests but the few slow ones: pure logic in this process, under 10 s
 	$(BIN)/pytest -q -m 'not slow' tests/unit

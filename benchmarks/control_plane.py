@@ -33,6 +33,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -196,6 +197,20 @@ def measured_capacity(procs: int, clients: int, probes: int, seconds: float = 3.
         server.wait()
 
 
+def read_number(worker: subprocess.Popen, word: str, errors: str) -> float:
+    """The number after ``word`` on the worker's next line; a worker that ended instead is named,
+    with the error its watchdogs recorded (a watchdog that finds the store silent for longer than
+    it allows ends its whole process, the worker's 512 ranks)."""
+    line = worker.stdout.readline().split()  # type: ignore[union-attr]
+    if line[:1] == [word]:
+        return float(line[1])
+    worker.wait(timeout=30)
+    recorded = [json.load(open(os.path.join(errors, name)))["message"]["message"]  # noqa: SIM115
+                for name in sorted(os.listdir(errors))]
+    raise RuntimeError(f"a worker ended (exit {worker.returncode}) before it said {word!r}: "
+                       f"{'; '.join(recorded) or 'it recorded no error'}")
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -210,13 +225,15 @@ def measure(n: int, workers: int, timeout: float, step_s: float, steady_s: float
     client = dist.TCPStore(HOST, port, None, False)
     cpu0 = cpu_seconds(server.pid)
     bounds = [n * w // workers for w in range(workers + 1)]
+    errors = tempfile.mkdtemp(prefix="control-plane-")  # a watchdog that gives up says why here
     procs = [subprocess.Popen([sys.executable, __file__, "--work", *map(str, (port, n, bounds[w], bounds[w + 1],
                                                                                timeout, step_s))],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+                              env={**os.environ, "OMP_NUM_THREADS": "1",
+                                   "TORCHELASTIC_ERROR_FILE": os.path.join(errors, f"worker-{w}.json")})
              for w in range(workers) if bounds[w] < bounds[w + 1]]
-    ready = [float(p.stdout.readline().split()[1]) for p in procs]  # type: ignore[union-attr]
-    connected = [float(p.stdout.readline().split()[1]) for p in procs]  # type: ignore[union-attr]
+    ready = [read_number(p, "ready", errors) for p in procs]
+    connected = [read_number(p, "connected", errors) for p in procs]
     keys = [f"ddptrain/hb/{r}" for r in range(n)]
     while not client.check(keys):
         time.sleep(0.02)

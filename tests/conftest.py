@@ -28,13 +28,17 @@ import pytest  # noqa: E402
 
 from helpers.commands import clean_env, finish  # noqa: E402
 
-# `make test` runs two test files at a time (pytest -n 2 --dist loadfile): each file goes whole
-# to the next free worker, in collection order. The longest files go first (measured, seconds
-# of a -n 2 run), so the suite does not end with one worker idle beside another still running
-# a long file; the rest keep their order, the unit tests (milliseconds each) last.
-LONGEST_FIRST = ("test_data.py", "test_remote_run_dir.py", "test_matrix.py", "test_bench.py",
-                 "test_stop_signals.py", "test_fault_tolerance.py", "test_snapshots.py", "test_docs.py",
-                 "test_launch_ray.py", "test_launch_multihost.py", "test_resilience.py", "test_api.py")
+# `make test` runs three test files at a time (pytest -n 3 --dist loadfile --no-loadscope-reorder):
+# each file goes whole to the next free worker, in collection order (without that flag xdist
+# sorts the files by their number of tests: the 4 tests of test_bench.py, 215 s, then started
+# 12 minutes in and ended the suite). The longest files go first (measured, seconds of wall in a
+# -n 3 run), so the suite does not end with workers idle beside one still running a long file;
+# the rest keep their order, the unit tests (milliseconds each) last.
+LONGEST_FIRST = ("test_data.py", "test_remote_run_dir.py", "test_fault_tolerance.py", "test_bench.py",
+                 "test_resilience.py", "test_snapshots.py", "test_matrix.py", "test_stop_signals.py",
+                 "test_docs.py", "test_launch_multihost.py", "test_parallel_fsdp.py", "test_real_models.py",
+                 "test_api.py", "test_launch_ray.py", "test_cli_bad_input.py", "test_trackers.py",
+                 "test_semi_sync.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
