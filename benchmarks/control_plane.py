@@ -232,40 +232,46 @@ def measure(n: int, workers: int, timeout: float, step_s: float, steady_s: float
                               env={**os.environ, "OMP_NUM_THREADS": "1",
                                    "TORCHELASTIC_ERROR_FILE": os.path.join(errors, f"worker-{w}.json")})
              for w in range(workers) if bounds[w] < bounds[w + 1]]
-    ready = [read_number(p, "ready", errors) for p in procs]
-    connected = [read_number(p, "connected", errors) for p in procs]
-    keys = [f"ddptrain/hb/{r}" for r in range(n)]
-    while not client.check(keys):
-        time.sleep(0.02)
-    startup = {"connect_s": max(connected) - max(ready), "first_beats_s": time.time() - max(ready)}
+    try:
+        ready = [read_number(p, "ready", errors) for p in procs]
+        connected = [read_number(p, "connected", errors) for p in procs]
+        keys = [f"ddptrain/hb/{r}" for r in range(n)]
+        while not client.check(keys):
+            time.sleep(0.02)
+        startup = {"connect_s": max(connected) - max(ready), "first_beats_s": time.time() - max(ready)}
 
-    def count() -> int:
+        def count() -> int:
+            for p in procs:
+                p.stdin.write("count\n")  # type: ignore[union-attr]
+                p.stdin.flush()  # type: ignore[union-attr]
+            return sum(int(p.stdout.readline().split()[1]) for p in procs)  # type: ignore[union-attr]
+        ops0, cpu1, t0 = count(), cpu_seconds(server.pid), time.monotonic()
+        latencies = probe_latency(client, steady_s)
+        ops1, cpu2, t1 = count(), cpu_seconds(server.pid), time.monotonic()
+        stopped = time.monotonic()
         for p in procs:
-            p.stdin.write("count\n")  # type: ignore[union-attr]
+            p.stdin.write("hang\n")  # type: ignore[union-attr]
             p.stdin.flush()  # type: ignore[union-attr]
-        return sum(int(p.stdout.readline().split()[1]) for p in procs)  # type: ignore[union-attr]
-    ops0, cpu1, t0 = count(), cpu_seconds(server.pid), time.monotonic()
-    latencies = probe_latency(client, steady_s)
-    ops1, cpu2, t1 = count(), cpu_seconds(server.pid), time.monotonic()
-    stopped = time.monotonic()
-    for p in procs:
-        p.stdin.write("hang\n")  # type: ignore[union-attr]
-        p.stdin.flush()  # type: ignore[union-attr]
-    while not client.check(["ddptrain/verdict"]):
-        time.sleep(0.01)
-    named_s = time.monotonic() - stopped
-    verdict = json.loads(client.get("ddptrain/verdict"))
-    for p in procs:
-        p.wait(timeout=120)
-    propagated_s = time.monotonic() - stopped - named_s
-    rss = rss_mib(server.pid)
-    server.kill()
-    server.wait()
-    return {"ranks": n, "libuv": libuv, **startup, "ops_per_s": (ops1 - ops0) / (t1 - t0),
-            "server_cpu_pct": 100 * (cpu2 - cpu1) / (t1 - t0), "server_cpu_startup_s": cpu1 - cpu0,
-            "server_rss_mib": rss, "latency_p50_ms": statistics.median(latencies),
-            "latency_p99_ms": percentile(latencies, 0.99), "named_s": named_s,
-            "named_right": verdict.get("culprits") == [n - 1], "propagated_s": propagated_s}
+        while not client.check(["ddptrain/verdict"]):
+            time.sleep(0.01)
+        named_s = time.monotonic() - stopped
+        verdict = json.loads(client.get("ddptrain/verdict"))
+        for p in procs:
+            p.wait(timeout=120)
+        propagated_s = time.monotonic() - stopped - named_s
+        rss = rss_mib(server.pid)
+        server.kill()
+        server.wait()
+        return {"ranks": n, "libuv": libuv, **startup, "ops_per_s": (ops1 - ops0) / (t1 - t0),
+                "server_cpu_pct": 100 * (cpu2 - cpu1) / (t1 - t0), "server_cpu_startup_s": cpu1 - cpu0,
+                "server_rss_mib": rss, "latency_p50_ms": statistics.median(latencies),
+                "latency_p99_ms": percentile(latencies, 0.99), "named_s": named_s,
+                "named_right": verdict.get("culprits") == [n - 1], "propagated_s": propagated_s}
+    finally:  # a worker that failed leaves the others and the server running otherwise
+        for proc in [*procs, server]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def table(rows: list[dict], capacities: list[float], timeout: float) -> str:
