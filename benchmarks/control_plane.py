@@ -42,6 +42,10 @@ from types import SimpleNamespace
 HOST = "127.0.0.1"
 LABEL = "the gradient all-reduce"
 HANG_STEP = 1_000_000  # the step every simulated rank stands at when the hang begins
+# How long the workers may take to act on a hang's verdict and exit: 512 simulated ranks a process
+# each answer it (their stacks read from one process of 1,000 threads), 43-99 s at 4,096 ranks on a
+# quiet 2-core machine, longer beside a busy process; a real rank is a process and answers once.
+EXIT_WAIT_S = 300
 
 
 # --- the store server (a process of its own) -------------------------------------------------
@@ -128,6 +132,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def start_server() -> tuple[subprocess.Popen, int, bool]:
+    """The store's server in a process of its own: (the process, its port, whether it runs libuv)."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, __file__, "--serve", str(port)], stdout=subprocess.PIPE, text=True)
+    libuv = json.loads(server.stdout.readline())["libuv"]  # type: ignore[union-attr]
+    return server, port, libuv
+
+
 def probe_latency(store: object, seconds: float) -> list[float]:
     """Milliseconds of a ``set`` and a ``get`` by one more client, every 20 ms."""
     found, deadline = [], time.monotonic() + seconds
@@ -187,9 +199,7 @@ def capacity(port: int, procs: int, clients: int, seconds: float) -> float:
 def measured_capacity(procs: int, clients: int, probes: int, seconds: float = 3.0) -> list[float]:
     """``probes`` capacity probes of a fresh store server, one after another (their median is the
     capacity the load is read against; their range says how steady it was)."""
-    port = free_port()
-    server = subprocess.Popen([sys.executable, __file__, "--serve", str(port)], stdout=subprocess.PIPE, text=True)
-    server.stdout.readline()  # type: ignore[union-attr]
+    server, port, _ = start_server()
     try:
         return [capacity(port, procs, clients, seconds) for _ in range(probes)]
     finally:
@@ -198,17 +208,28 @@ def measured_capacity(procs: int, clients: int, probes: int, seconds: float = 3.
 
 
 def read_number(worker: subprocess.Popen, word: str, errors: str) -> float:
-    """The number after ``word`` on the worker's next line; a worker that ended instead is named,
-    with the error its watchdogs recorded (a watchdog that finds the store silent for longer than
-    it allows ends its whole process, the worker's 512 ranks)."""
+    """The number after ``word`` on the worker's next line; a worker that ended instead is named."""
     line = worker.stdout.readline().split()  # type: ignore[union-attr]
     if line[:1] == [word]:
         return float(line[1])
     worker.wait(timeout=30)
+    raise worker_ended(worker, f"before it said {word!r}", errors)
+
+
+def check_workers(procs: list[subprocess.Popen], errors: str, doing: str) -> None:
+    """Raise if a worker has ended (before the hang, none should)."""
+    for worker in procs:
+        if worker.poll() is not None:
+            raise worker_ended(worker, doing, errors)
+
+
+def worker_ended(worker: subprocess.Popen, doing: str, errors: str) -> RuntimeError:
+    """A worker that ended, with the error its watchdogs recorded (a watchdog that finds the
+    store silent for longer than it allows ends its whole process, the worker's 512 ranks)."""
     recorded = [json.load(open(os.path.join(errors, name)))["message"]["message"]  # noqa: SIM115
                 for name in sorted(os.listdir(errors))]
-    raise RuntimeError(f"a worker ended (exit {worker.returncode}) before it said {word!r}: "
-                       f"{'; '.join(recorded) or 'it recorded no error'}")
+    return RuntimeError(f"a worker ended (exit {worker.returncode}) {doing}: "
+                        f"{'; '.join(recorded) or 'it recorded no error'}")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -219,9 +240,7 @@ def percentile(values: list[float], q: float) -> float:
 def measure(n: int, workers: int, timeout: float, step_s: float, steady_s: float) -> dict[str, float | int | bool]:
     import torch.distributed as dist
 
-    port = free_port()
-    server = subprocess.Popen([sys.executable, __file__, "--serve", str(port)], stdout=subprocess.PIPE, text=True)
-    libuv = json.loads(server.stdout.readline())["libuv"]  # type: ignore[union-attr]
+    server, port, libuv = start_server()
     client = dist.TCPStore(HOST, port, None, False)
     cpu0 = cpu_seconds(server.pid)
     bounds = [n * w // workers for w in range(workers + 1)]
@@ -237,10 +256,14 @@ def measure(n: int, workers: int, timeout: float, step_s: float, steady_s: float
         connected = [read_number(p, "connected", errors) for p in procs]
         keys = [f"ddptrain/hb/{r}" for r in range(n)]
         while not client.check(keys):
+            check_workers(procs, errors, "while the ranks published their first heartbeats")
             time.sleep(0.02)
         startup = {"connect_s": max(connected) - max(ready), "first_beats_s": time.time() - max(ready)}
+        print(f"{n} ranks: connected in {startup['connect_s']:.2f} s, every first heartbeat in "
+              f"{startup['first_beats_s']:.2f} s", file=sys.stderr, flush=True)
 
         def count() -> int:
+            check_workers(procs, errors, "while the ranks took steps")
             for p in procs:
                 p.stdin.write("count\n")  # type: ignore[union-attr]
                 p.stdin.flush()  # type: ignore[union-attr]
@@ -257,7 +280,7 @@ def measure(n: int, workers: int, timeout: float, step_s: float, steady_s: float
         named_s = time.monotonic() - stopped
         verdict = json.loads(client.get("ddptrain/verdict"))
         for p in procs:
-            p.wait(timeout=120)
+            p.wait(timeout=EXIT_WAIT_S)
         propagated_s = time.monotonic() - stopped - named_s
         rss = rss_mib(server.pid)
         server.kill()
@@ -266,7 +289,9 @@ def measure(n: int, workers: int, timeout: float, step_s: float, steady_s: float
                 "server_cpu_pct": 100 * (cpu2 - cpu1) / (t1 - t0), "server_cpu_startup_s": cpu1 - cpu0,
                 "server_rss_mib": rss, "latency_p50_ms": statistics.median(latencies),
                 "latency_p99_ms": percentile(latencies, 0.99), "named_s": named_s,
-                "named_right": verdict.get("culprits") == [n - 1], "propagated_s": propagated_s}
+                "named_right": verdict.get("culprits") == [n - 1], "propagated_s": propagated_s,
+                "verdict": {"kind": verdict.get("kind"), "culprits": len(verdict.get("culprits", [])),
+                            "first_culprits": verdict.get("culprits", [])[:8]}}
     finally:  # a worker that failed leaves the others and the server running otherwise
         for proc in [*procs, server]:
             if proc.poll() is None:

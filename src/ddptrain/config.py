@@ -49,7 +49,7 @@ MATH_FIELDS = ("task", "seed", "lr", "optimizer", "momentum", "weight_decay", "l
 
 # Settings a resume keeps too, though they leave the math of the weights alone: the average
 # (--ema) and the figure best/ is judged by (--keep-best). Snapshots before 0.5 do not hold them.
-KEPT_ON_RESUME = ("ema", "ema_every", "keep_best")
+KEPT_ON_RESUME = ("ema", "ema_every", "keep_best", "replicas")
 
 # Settings that do not define *which* run this is: changing them keeps the default run dir,
 # so the same command (or the same command with more epochs) finds its run again.
@@ -260,7 +260,10 @@ class RunConfig:
             del values["sync_batchnorm"]  # snapshots from before the setting existed match
         if self.sync != "every-step":  # (every-step: snapshots from before the setting existed match)
             every, outer_lr, outer_momentum = self.sync_settings
-            values.update(sync=self.sync, sync_every=every,
+            # --replicas as given (None: one group per node, which follows the nodes on another world
+            # size): another count of groups on the same ranks would load one group's inner optimizer
+            # state into another's ranks, or none, and the meetings would average other weights
+            values.update(sync=self.sync, sync_every=every, replicas=self.replicas,
                           **({"outer_lr": outer_lr, "outer_momentum": outer_momentum} if self.sync == "diloco" else {}))
         values.update(ema=self.ema, ema_every=self.ema_every if self.ema else 1,
                       keep_best=":".join(watched_metric(self.keep_best)) if self.keep_best.strip() else "")

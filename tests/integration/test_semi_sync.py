@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from ddptrain.errors import ConfigError
 from ddptrain.snapshots import files
 from helpers.commands import REPO, assert_same_weights, clean_env, fit, load_model, read_metrics
 from helpers.costs import collectives_per_step
@@ -100,6 +101,12 @@ def test_diloco_killed_between_syncs_resumes_bitwise_from_the_last_sync(tmp_path
     losses = [[r["train_loss"] for r in read_metrics(tmp_path / name) if r["kind"] == "epoch"]
               for name in ("run", "whole")]
     assert losses[0] == losses[1], losses  # the epochs' losses too: the snapshot holds the steps' before it
+    # Another count of groups is another run (on 2 ranks only 2 are possible: 4 ranks as 4 groups,
+    # where the global batch is kept): refused in one line, the snapshots untouched
+    before = sorted(files.list_snapshots(tmp_path / "whole" / "snapshots"))
+    with pytest.raises(ConfigError, match=r"^snapshot .* was taken with other settings \(replicas: 2 -> 4\)"):
+        fit("regression", tmp_path / "whole", **{**options, "replicas": 4, "nproc": 4})
+    assert sorted(files.list_snapshots(tmp_path / "whole" / "snapshots")) == before
 
 
 def test_local_sgd_in_groups_of_two_with_accumulation_and_a_stream_killed_resumes_bitwise(tmp_path):

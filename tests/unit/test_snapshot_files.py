@@ -170,8 +170,15 @@ def test_a_resume_keeps_the_sync_mode_and_its_settings():
                          (RunConfig(sync="diloco", sync_every=8, replicas=2), "sync_every: 4 -> 8"),
                          (RunConfig(sync="diloco", sync_every=4, outer_lr=0.5, replicas=2), "outer_lr: 0.7 -> 0.5"),
                          (RunConfig(sync="diloco", sync_every=4, outer_momentum=0.0, replicas=2),
-                          "outer_momentum: 0.9 -> 0.0")):
+                          "outer_momentum: 0.9 -> 0.0"),
+                         (RunConfig(sync="diloco", sync_every=4, replicas=1), "replicas: 2 -> 1"),
+                         (RunConfig(sync="diloco", sync_every=4), "replicas: 2 -> None")):
         with pytest.raises(SnapshotError, match=words):
             files.check_fingerprint(taken, other.math_fingerprint(2), Path("s"))
     with pytest.raises(SnapshotError, match="sync: None -> 'diloco'"):  # an every-step snapshot, resumed by diloco
         files.check_fingerprint(RunConfig().math_fingerprint(2), taken, Path("s"))
+    before_replicas = {k: v for k, v in taken.items() if k != "replicas"}  # (0.4's snapshots are not asked)
+    files.check_fingerprint(before_replicas, RunConfig(sync="diloco", sync_every=4, replicas=4).math_fingerprint(2),
+                            Path("s"))
+    hsdp = RunConfig(strategy="hsdp", replicas=2).math_fingerprint(4)  # every step: the groups' count is layout only
+    files.check_fingerprint(hsdp, RunConfig(strategy="hsdp", replicas=4).math_fingerprint(4), Path("s"))

@@ -97,6 +97,18 @@ def test_a_store_unanswered_for_the_timeout_between_10_and_30_s_counts_as_lost()
     assert store_silent_s(4.0) == 10.0  # a short --timeout never mistakes a busy store for a lost one
 
 
+def test_a_stores_first_answer_may_take_longer_in_proportion_to_the_ranks_beyond_1024():
+    """The first round meets every rank's connection: at 4,096 ranks 10 s was too short for it."""
+    from ddptrain.resilience.watchdog import store_silent_s
+
+    for timeout in (4.0, 20.0, 300.0):
+        assert store_silent_s(timeout, 2, answered=False) == store_silent_s(timeout, 1024, answered=False) \
+            == store_silent_s(timeout)  # every job of this suite: unchanged
+        assert store_silent_s(timeout, 4096, answered=False) == 4 * store_silent_s(timeout)
+        assert store_silent_s(timeout, 4096, answered=True) == store_silent_s(timeout)  # then flat, as the load
+    assert store_silent_s(5.0, 4096, answered=False) == 40.0
+
+
 def test_rank_0_reads_every_heartbeat_in_two_store_requests_however_many_ranks_have_not_started():
     """At 4,096 ranks starting up, a read that checked each missing rank's key cost rank 0 two
     requests per rank not yet started, every period; some ranks never got connected."""

@@ -52,13 +52,22 @@ STORE_LOSS_GRACE_S = 2.0  # the store's host (rank 0) may simply have finished f
 STORE_SILENT_S = (10.0, 30.0)  # a store call unanswered for --timeout, within these bounds: the store is gone
 
 
-def store_silent_s(timeout_s: float) -> float:
+def store_silent_s(timeout_s: float, world_size: int = 1, answered: bool = True) -> float:
     """How long a call on the job's store may go unanswered before the store counts as lost.
     torch's TCPStore client waits forever for a server that accepts and never answers (its
     timeout bounds waiting for a key, not for an answer): a SIGSTOPped rank 0, or its frozen
-    machine, left every other rank hanging, and the hang judge is rank 0's."""
+    machine, left every other rank hanging, and the hang judge is rank 0's.
+
+    Until the store has ``answered`` this rank's first round, the window grows with the ranks
+    beyond SCALE_RANKS: that round meets every rank's connection at once, and the store greets
+    them one at a time. At 4,096 ranks and --timeout 5, on 2 cores beside a busy process, a round
+    waited more than the 10 s allowed and ended a process of 512 simulated ranks with "lost the
+    job's store" (control_plane.py); there the first round is now allowed 40 s, the window once per
+    1,024 ranks (torch's libuv store greeted ~1,000 ranks a second in its own 96K-rank runs). Once
+    the store has answered, its load stays flat whatever the size (beat_period), and so does the window."""
     low, high = STORE_SILENT_S
-    return min(max(timeout_s, low), high)
+    window = min(max(timeout_s, low), high)
+    return window if answered else window * max(world_size / SCALE_RANKS, 1.0)
 
 
 def beat_period(timeout_s: float, world_size: int = 1, period_s: float = PERIOD_S) -> float:
@@ -107,6 +116,7 @@ class Watchdog(CollectiveMarks):
         self.thread: threading.Thread | None = None
         self.seen: dict[int, tuple[Heartbeat | None, float]] = {}  # the judge's view: rank -> (beat, since)
         self.calling_since: float | None = None  # when the thread's pending round of store calls began
+        self.store_answered = False  # the thread's first round of store calls has ended
 
     # --- called by the training loop -------------------------------------------------------
     def arrive(self, label: str, step: int | None = None, timed: bool = True) -> None:
@@ -204,12 +214,12 @@ class Watchdog(CollectiveMarks):
             except Exception as error:  # noqa: BLE001 - any store failure means the same
                 self._lost_store(error)
             self.calling_since = None
+            self.store_answered = True
 
     def _watch_store(self) -> None:
         """A second thread: the first one's store calls must end (see store_silent_s)."""
-        silent_s = store_silent_s(self.timeout_s)
         while not self.finished.wait(1.0):
-            since = self.calling_since
+            since, silent_s = self.calling_since, store_silent_s(self.timeout_s, self.world_size, self.store_answered)
             if since is not None and not self.acting.is_set() and time.monotonic() - since > silent_s:
                 self._lost_store(TimeoutError(f"it did not answer for {silent_s:g} s"))
 
