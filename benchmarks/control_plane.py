@@ -43,8 +43,8 @@ HOST = "127.0.0.1"
 LABEL = "the gradient all-reduce"
 HANG_STEP = 1_000_000  # the step every simulated rank stands at when the hang begins
 # How long the workers may take to act on a hang's verdict and exit: 512 simulated ranks a process
-# each answer it (their stacks read from one process of 1,000 threads), 43-99 s at 4,096 ranks on a
-# quiet 2-core machine, longer beside a busy process; a real rank is a process and answers once.
+# each answer it (their stacks read from one process of 1,000 threads): 26-119 s at 4,096 ranks on
+# a quiet 2-core machine (258 s once); a real rank is a process of its own and answers once.
 EXIT_WAIT_S = 300
 
 

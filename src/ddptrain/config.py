@@ -47,8 +47,10 @@ MATH_FIELDS = ("task", "seed", "lr", "optimizer", "momentum", "weight_decay", "l
                "warmup_steps", "max_epochs", "max_steps", "global_batch", "grad_accum", "precision",
                "clip_grad", "sync_batchnorm")
 
-# Settings a resume keeps too, though they leave the math of the weights alone: the average
-# (--ema) and the figure best/ is judged by (--keep-best). Snapshots before 0.5 do not hold them.
+# Settings a resume keeps too, though snapshots written before them do not hold them, so those
+# are not asked about them: the average (--ema) and the figure best/ is judged by (--keep-best),
+# which leave the math of the weights alone (not held before 0.5); --replicas under --sync, which
+# is in the math but was not held until 2026-12-05.
 KEPT_ON_RESUME = ("ema", "ema_every", "keep_best", "replicas")
 
 # Settings that do not define *which* run this is: changing them keeps the default run dir,

@@ -60,9 +60,9 @@ def store_silent_s(timeout_s: float, world_size: int = 1, answered: bool = True)
 
     Until the store has ``answered`` this rank's first round, the window grows with the ranks
     beyond SCALE_RANKS: that round meets every rank's connection at once, and the store greets
-    them one at a time. At 4,096 ranks and --timeout 5, on 2 cores beside a busy process, a round
-    waited more than the 10 s allowed and ended a process of 512 simulated ranks with "lost the
-    job's store" (control_plane.py); there the first round is now allowed 40 s, the window once per
+    them one at a time. At 4,096 ranks and --timeout 5, on 2 cores (quiet once, and beside a busy
+    process), a round waited more than the 10 s allowed and ended a process of 512 simulated ranks
+    with "lost the job's store" (control_plane.py); there the first round is now allowed 40 s, the window once per
     1,024 ranks (torch's libuv store greeted ~1,000 ranks a second in its own 96K-rank runs). Once
     the store has answered, its load stays flat whatever the size (beat_period), and so does the window."""
     low, high = STORE_SILENT_S
