@@ -93,3 +93,25 @@ def test_a_rank_the_launcher_terminated_is_not_named_for_one_killed_by_another_s
     assert root_cause(errors, killed={10: "SIGTERM", 37: "SIGKILL"}, nproc=64) == 37
     assert root_cause(errors, killed={10: "SIGTERM"}, nproc=64) == 37  # torch missed 37's exit
     assert root_cause({}, killed={10: "SIGTERM"}, nproc=64) == 10  # the only one there is
+
+
+def test_hard_exit_ends_the_process_even_when_a_sigchld_handler_raises():
+    """A DataLoader's SIGCHLD handler raises in the main thread when its worker is killed: the
+    rank's exit code and nothing after it (seen: the handler's error replaced the rank's own)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import signal, subprocess, sys, time
+        from ddptrain.resilience.failures import hard_exit
+        def handler(*_):
+            raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
+        signal.signal(signal.SIGCHLD, handler)
+        child = subprocess.Popen(["sleep", "30"])
+        hard_exit(3)
+        print("went on after hard_exit", flush=True)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3, result.stderr
+    assert "went on" not in result.stdout and "RuntimeError" not in result.stderr, result.stderr

@@ -84,15 +84,24 @@ def record_error(error: BaseException) -> None:
 
 def hard_exit(code: int) -> None:
     """End this process now, skipping interpreter shutdown (see the module docstring). After a
-    failure (``code`` not 0) its child processes go first (kill_children)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    if code:
-        kill_children()
-    os._exit(code)
+    failure (``code`` not 0) its child processes go first (kill_children).
+
+    Nothing stops the exit: a DataLoader's SIGCHLD handler, run in the main thread when
+    kill_children ended one of its workers, raised "DataLoader worker ... is killed by signal"
+    out of here; the process then went on, and torch's outer error handler replaced the rank's
+    own error (seen once in a fresh clone's suite: a misshaped sample reported as a killed worker)."""
+    try:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the children are ours to end now
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        if code:
+            kill_children()
+    finally:
+        os._exit(code)
 
 
 def kill_children() -> None:
