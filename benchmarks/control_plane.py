@@ -86,8 +86,28 @@ class Counting:
         return counted
 
 
+def where_threads_are(*_: object) -> None:
+    """To stderr: how many of this process's threads stand at each innermost frame of ddptrain's
+    (or of the thread's own code, when none is ddptrain's)."""
+    import collections
+    import traceback
+
+    places: collections.Counter[str] = collections.Counter()
+    for frame in sys._current_frames().values():
+        frames = traceback.extract_stack(frame)
+        ours = [f for f in frames if "ddptrain" in f.filename] or frames[-1:]
+        places[" < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in ours[-1:] + frames[-1:])] += 1
+    print(f"--- {os.getpid()}: {sum(places.values())} threads", file=sys.stderr)
+    for place, count in places.most_common(15):
+        print(f"{count:6} {place}", file=sys.stderr, flush=True)
+
+
 def work(port: int, world: int, first: int, last: int, timeout: float, step_s: float) -> None:
+    import signal
+
     from ddptrain.resilience.watchdog import Watchdog
+
+    signal.signal(signal.SIGUSR1, where_threads_are)  # `kill -USR1 <worker>`: a count of where its threads are
 
     say = lambda *words: print(*words, flush=True)  # noqa: E731 - the orchestrator reads lines
     say("ready", time.time())
@@ -140,10 +160,11 @@ def start_server() -> tuple[subprocess.Popen, int, bool]:
     return server, port, libuv
 
 
-def probe_latency(store: object, seconds: float) -> list[float]:
-    """Milliseconds of a ``set`` and a ``get`` by one more client, every 20 ms."""
+def probe_latency(store: object, seconds: float, until: threading.Event | None = None) -> list[float]:
+    """Milliseconds of a ``set`` and a ``get`` by one more client, every 20 ms, for ``seconds``
+    or until ``until`` is set."""
     found, deadline = [], time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (until is not None and until.is_set()):
         started = time.perf_counter()
         store.set("bench/probe", "x")  # type: ignore[attr-defined]
         store.get("bench/probe")  # type: ignore[attr-defined]
@@ -251,6 +272,9 @@ def measure(n: int, workers: int, timeout: float, step_s: float, steady_s: float
                               env={**os.environ, "OMP_NUM_THREADS": "1",
                                    "TORCHELASTIC_ERROR_FILE": os.path.join(errors, f"worker-{w}.json")})
              for w in range(workers) if bounds[w] < bounds[w + 1]]
+    started, startup_latencies = threading.Event(), []  # the store's answers while the ranks start
+    prober = threading.Thread(target=lambda: startup_latencies.extend(probe_latency(client, 3600, started)))
+    prober.start()
     try:
         ready = [read_number(p, "ready", errors) for p in procs]
         connected = [read_number(p, "connected", errors) for p in procs]
@@ -258,9 +282,14 @@ def measure(n: int, workers: int, timeout: float, step_s: float, steady_s: float
         while not client.check(keys):
             check_workers(procs, errors, "while the ranks published their first heartbeats")
             time.sleep(0.02)
-        startup = {"connect_s": max(connected) - max(ready), "first_beats_s": time.time() - max(ready)}
+        started.set()
+        prober.join()
+        startup = {"connect_s": max(connected) - max(ready), "first_beats_s": time.time() - max(ready),
+                   "startup_p99_ms": percentile(startup_latencies, 0.99), "startup_max_ms": max(startup_latencies)}
         print(f"{n} ranks: connected in {startup['connect_s']:.2f} s, every first heartbeat in "
-              f"{startup['first_beats_s']:.2f} s", file=sys.stderr, flush=True)
+              f"{startup['first_beats_s']:.2f} s; the store's answers meanwhile p99 "
+              f"{startup['startup_p99_ms']:.1f} ms, at most {startup['startup_max_ms']:.0f} ms",
+              file=sys.stderr, flush=True)
 
         def count() -> int:
             check_workers(procs, errors, "while the ranks took steps")
@@ -293,6 +322,7 @@ def measure(n: int, workers: int, timeout: float, step_s: float, steady_s: float
                 "verdict": {"kind": verdict.get("kind"), "culprits": len(verdict.get("culprits", [])),
                             "first_culprits": verdict.get("culprits", [])[:8]}}
     finally:  # a worker that failed leaves the others and the server running otherwise
+        started.set()
         for proc in [*procs, server]:
             if proc.poll() is None:
                 proc.kill()

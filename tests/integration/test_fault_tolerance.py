@@ -255,10 +255,11 @@ def test_a_group_restarted_after_the_others_finished_the_job_says_so_and_trains_
     assert "epoch 0 |" not in log and not (tmp_path / "group-1" / "model.pt").exists(), log
 
 
-def _lighthouse_killed(tmp_path: Path, restart_after_s: float | None, *options: str
-                       ) -> tuple[list[subprocess.Popen], float]:
-    """Two groups train; at group 0's 20th loss their lighthouse is SIGKILLed, and started again
-    on its address ``restart_after_s`` later (None: never). The groups, and when it was killed."""
+def _lighthouse_lost(tmp_path: Path, frozen: bool, back_after_s: float | None, *options: str
+                     ) -> tuple[list[subprocess.Popen], float]:
+    """Two groups train; at group 0's 20th loss their lighthouse is SIGKILLed (``frozen``:
+    SIGSTOPped, so its connections accept and nothing answers), and ``back_after_s`` later
+    started again on its address (``frozen``: SIGCONT; None: never). The groups, and when it went."""
     port, steps = free_port(), tmp_path / "group-0.steps"
     server = start_lighthouse(port, 5000, min_replicas=2)  # (why: the restart test's docstring)
     address = f"http://127.0.0.1:{port}"
@@ -269,22 +270,33 @@ def _lighthouse_killed(tmp_path: Path, restart_after_s: float | None, *options: 
         while not steps.exists() or len(steps.read_text().split()) < 20:
             assert all(p.poll() is None for p in pair) and time.monotonic() < deadline, "the groups stopped"
             time.sleep(0.05)
-        kill_tree(server)
-        server.wait(timeout=30)
-        killed_at = time.monotonic()
-        if restart_after_s is not None:
-            time.sleep(restart_after_s)
-            server = start_lighthouse(port, 5000, min_replicas=2)  # (the killed one's connections still linger)
+        if frozen:
+            os.kill(server.pid, signal.SIGSTOP)
+        else:
+            kill_tree(server)
+            server.wait(timeout=30)
+        lost_at = time.monotonic()
+        if back_after_s is not None:
+            time.sleep(back_after_s)
+            if frozen:
+                os.kill(server.pid, signal.SIGCONT)
+            else:  # (the killed one's connections still linger)
+                server = start_lighthouse(port, 5000, min_replicas=2)
         for process in pair:
             finish(process, 240)
-        return pair, killed_at
+        return pair, lost_at
     finally:
-        kill_tree(server)
+        kill_tree(server)  # (a stopped process dies of SIGKILL too)
         for process in pair:
             kill_tree(process)
 
 
-def test_a_lighthouse_killed_and_started_again_on_its_address_is_rejoined_and_both_groups_train_on(tmp_path):
+DILOCO = ("--sync", "diloco", "--sync-every", "4")
+
+
+@pytest.mark.parametrize("frozen,sync", [(False, ()), (True, ()), (True, DILOCO)],
+                         ids=["killed-and-started-again", "frozen-and-thawed", "frozen-and-thawed-under-diloco"])
+def test_a_lighthouse_lost_and_back_on_its_address_is_rejoined_and_both_groups_train_on(tmp_path, frozen, sync):
     """The lighthouse SIGKILLed mid-run, a new one on its address 10 s later: each group says in
     a line that it stopped answering and that it answers again, and both train to the end with
     bitwise equal models (torchft gave up on the quorum at once and then hung for --timeout,
@@ -292,22 +304,30 @@ def test_a_lighthouse_killed_and_started_again_on_its_address_is_rejoined_and_bo
     killed one's connections lingered). The lighthouse wants both groups in every quorum
     (--min-replicas 2): with 1, the group that reaches the new lighthouse first trains a step
     alone and the other heals from it, a live group's heal that failed once under load (the
-    healing group exits; its launcher's --max-restarts brings it back)."""
-    pair, _ = _lighthouse_killed(tmp_path, 10.0, "--max-epochs", "2")
+    healing group exits; its launcher's --max-restarts brings it back). Frozen (SIGSTOP, its
+    machine unreachable) for 10 s instead, it holds the groups' requests unanswered, and answers
+    them once thawed: the same two lines, the same weights. Under --sync diloco the groups meet
+    there every 4 steps only: frozen between two meetings, they train on to the next and wait
+    there for it."""
+    pair, _ = _lighthouse_lost(tmp_path, frozen, 10.0, "--max-epochs", "2", *sync)
     for group, process in enumerate(pair):
         log = (tmp_path / f"group-{group}.log").read_text()
         assert process.returncode == 0, log
-        assert re.search(r"ddptrain: step \d+: the lighthouse at \S+ stopped answering; the replica groups wait up "
-                         r"to --timeout 300 s", log), log
-        assert re.search(r"ddptrain: the lighthouse at \S+ answers again after (9|1\d) s; the replica groups train on",
+        stopped = re.search(r"ddptrain: step (\d+): the lighthouse at \S+ stopped answering; the replica groups "
+                            r"wait up to --timeout 300 s", log)
+        assert stopped and (int(stopped[1]) % 4 == 1 or not sync), log  # (diloco: the meeting after step 4k)
+        # (a frozen one is found silent a few seconds after it froze: its answer's wait is timed)
+        after = "([4-9]|1\\d)" if frozen else "(9|1\\d)"
+        assert re.search(rf"ddptrain: the lighthouse at \S+ answers again after {after} s; the replica groups train on",
                          log), log
         assert [r["step"] for r in read_metrics(tmp_path / f"group-{group}")] == [64, 128]
     assert_same_weights(load_model(tmp_path / "group-0"), load_model(tmp_path / "group-1"), exact=True)
 
 
-def test_a_lighthouse_that_never_comes_back_ends_both_groups_in_one_line_after_the_timeout(tmp_path):
-    pair, killed_at = _lighthouse_killed(tmp_path, None, "--max-epochs", "4", "--timeout", "8")
-    assert time.monotonic() - killed_at < 60
+@pytest.mark.parametrize("frozen", [False, True], ids=["killed", "frozen"])
+def test_a_lighthouse_that_never_comes_back_ends_both_groups_in_one_line_after_the_timeout(tmp_path, frozen):
+    pair, lost_at = _lighthouse_lost(tmp_path, frozen, None, "--max-epochs", "4", "--timeout", "8")
+    assert time.monotonic() - lost_at < 60
     for group, process in enumerate(pair):
         log = (tmp_path / f"group-{group}.log").read_text()
         assert process.returncode == 1, log

@@ -1,11 +1,26 @@
-"""The watchdog's judgement and its report, as pure functions: no thread, no store."""
+"""The watchdog's judgement and its report as pure functions; its store calls against a real
+store in this process; its silence check in a process of its own (it ends its process)."""
 
+import time
 from pathlib import Path
+
+import pytest
 
 from ddptrain.resilience.board import Heartbeat
 from ddptrain.resilience.hangs import hang_summary, judge_hang
 
 TIMEOUT = 10.0
+
+
+class Counted:
+    """A store client that counts the requests made through it."""
+
+    def __init__(self, store):
+        self.store, self.requests = store, 0
+
+    def __getattr__(self, name):
+        self.requests += 1
+        return getattr(self.store, name)
 
 
 def beat(arrivals: int, inside: bool, where: str = "the gradient all-reduce (step 7)") -> Heartbeat:
@@ -121,14 +136,6 @@ def test_rank_0_reads_every_heartbeat_in_two_store_requests_however_many_ranks_h
     server = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)  # noqa: F841 - serves the boards
     boards = [Board("127.0.0.1", port, rank, 1000) for rank in (0, 7)]
 
-    class Counted:
-        def __init__(self, store):
-            self.store, self.requests = store, 0
-
-        def __getattr__(self, name):
-            self.requests += 1
-            return getattr(self.store, name)
-
     counted = boards[0].store = Counted(boards[0].store)
     assert set(boards[0].heartbeats().values()) == {None} and counted.requests == 1  # nobody published yet
     boards[1].publish(Heartbeat(3, True, "the gradient all-reduce (step 2)"))
@@ -138,3 +145,107 @@ def test_rank_0_reads_every_heartbeat_in_two_store_requests_however_many_ranks_h
     assert counted.requests == 2 and len(beats) == 1000
     assert beats[7] == Heartbeat(4, True, "the gradient all-reduce (step 3)")
     assert [rank for rank, beat in beats.items() if beat is not None] == [7]
+
+
+def test_rank_0_reads_the_ranks_stacks_in_a_request_per_poll_however_many_are_missing():
+    """After a hang at 4,096 ranks with a few silent, a read that checked each missing rank's
+    key made 8,000 round trips."""
+    import torch.distributed as dist
+
+    from ddptrain import free_port
+    from ddptrain.resilience.board import Board
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)  # noqa: F841 - serves the boards
+    boards = [Board("127.0.0.1", port, rank, 1000) for rank in (0, 7, 9)]
+    boards[1].post_stack("  rank 7's frames")
+    boards[2].post_stack("  rank 9's frames")
+    counted = boards[0].store = Counted(boards[0].store)
+    assert boards[0].stacks([7, 9], wait_s=5) == {7: "  rank 7's frames", 9: "  rank 9's frames"}
+    assert counted.requests == 3  # the list made if missing, read once, the stacks
+    counted.requests = 0
+    started = time.monotonic()
+    stacks = boards[0].stacks(list(range(1000)), wait_s=0.3)  # 998 ranks never answer
+    assert time.monotonic() - started < 5 and counted.requests < 30
+    assert stacks[7] == "  rank 7's frames" and stacks[9] == "  rank 9's frames"
+    assert sum(text is None for text in stacks.values()) == 998
+
+
+def test_the_store_probe_tells_a_live_store_from_one_that_accepts_and_never_answers_and_from_none():
+    """torch's client waits for ever for a server that accepts and never answers (a frozen
+    host): the probe answers False within its wait even then."""
+    import socket
+
+    import torch.distributed as dist
+
+    from ddptrain import free_port
+    from ddptrain.resilience.board import store_answers
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)  # noqa: F841 - it answers
+    silent = socket.create_server(("127.0.0.1", 0))  # its backlog accepts; nobody ever reads or answers
+    try:
+        started = time.monotonic()
+        assert store_answers("127.0.0.1", port, 2.0) and time.monotonic() - started < 2
+        started = time.monotonic()
+        assert not store_answers("127.0.0.1", silent.getsockname()[1], 1.0)
+        assert not store_answers("127.0.0.1", free_port(), 1.0)  # nobody listens
+        assert time.monotonic() - started < 4
+    finally:
+        silent.close()
+
+
+SILENT_CALL = """
+import sys, threading, time
+from types import SimpleNamespace
+from ddptrain.resilience import watchdog
+
+watchdog.STORE_SILENT_S, watchdog.STORE_PROBE_S, watchdog.STORE_LOSS_GRACE_S = (1.0, 1.0), 1.0, 0.0
+env = SimpleNamespace(rank=1, world_size=2, master_addr="127.0.0.1", master_port=int(sys.argv[1]))
+dog = watchdog.Watchdog(env, 5.0, run_dir=None)
+dog.calling_since = time.monotonic()  # a round of store calls that never ends
+threading.Thread(target=dog._watch_store, daemon=True).start()
+time.sleep(60)
+"""
+
+
+@pytest.mark.slow  # two processes, 4-7 s
+def test_a_silent_call_is_excused_while_the_store_answers_new_connections_then_the_rank_ends(tmp_path):
+    """At 4,096 simulated ranks a process's calls waited more than 10 s for the interpreter's
+    lock while the store answered others within 0.3 s, and ranks ended for a store that
+    lived. Now a silent call ends the rank when the store does not answer a fresh connection
+    either (a frozen host: at once), or after STORE_EXCUSES more windows when it does (this
+    process is slow, or its connection is lost): both within bounds, both saying which."""
+    import json
+    import re
+    import socket
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    from ddptrain import free_port
+    from helpers.commands import clean_env
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)  # noqa: F841 - it answers
+    silent = socket.create_server(("127.0.0.1", 0))
+    cases = {"lives": port, "frozen": silent.getsockname()[1]}
+    try:
+        started = time.monotonic()
+        ranks = {case: subprocess.Popen([sys.executable, "-c", SILENT_CALL, str(where)], stderr=subprocess.PIPE,
+                                        env=clean_env(TORCHELASTIC_ERROR_FILE=str(tmp_path / f"{case}.json")))
+                 for case, where in cases.items()}
+        ended, printed = {}, {}
+        for case, rank in ranks.items():
+            printed[case] = rank.communicate(timeout=60)[1].decode()
+            assert rank.returncode == 1, printed[case]
+            ended[case] = time.monotonic() - started
+    finally:
+        silent.close()
+    said = {case: json.loads((tmp_path / f"{case}.json").read_text())["message"]["message"] for case in cases}
+    assert re.search(r"lost the job's store \(a call waited [34] s, though the store answers new connections\): "
+                     "this rank's connection to it is broken, or this process is starved of CPU", said["lives"])
+    assert "lost the job's store (it did not answer for 1 s, nor a new connection within 1 s)" in said["frozen"]
+    assert ended["lives"] < 30 and ended["frozen"] < 30, ended
+    assert not any("frame #" in text for text in printed.values()), printed  # no wall of torch's C++ frames

@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,28 @@ class Heartbeat:
     def decode(cls, text: str) -> Heartbeat:
         arrivals, inside, collective, where = text.split("|", 3)
         return cls(int(arrivals), inside == "1", where, Collective.decode(collective))
+
+
+def store_answers(host: str, port: int, wait_s: float) -> bool:
+    """Whether the store answers a connection of its own (connect, greeting, one ``check``)
+    within ``wait_s``. torch's client waits for ever on a store that accepts and never answers
+    (a frozen host: its timeout bounds the retries, not the greeting), so the probe runs in a
+    thread of its own, left behind when it does not return; and refused connections are found
+    by a plain socket first (torch's client logs every retry with its C++ frames)."""
+    try:
+        socket.create_connection((host, port), timeout=wait_s).close()
+    except OSError:
+        return False
+    answered = threading.Event()
+
+    def probe() -> None:
+        try:  # (patient: the wait below is the bound, and a retry's warning must not print meanwhile)
+            dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(minutes=10)).check(["ddptrain/probe"])
+            answered.set()
+        except Exception:  # noqa: BLE001 - reset, closed: no answer
+            pass
+    threading.Thread(target=probe, name="ddptrain-store-probe", daemon=True).start()
+    return answered.wait(wait_s)
 
 
 class Board:
@@ -98,7 +121,7 @@ class Board:
 
     # --- stacks ----------------------------------------------------------------------------
     def post_stack(self, text: str) -> None:
-        self.store.set(self._key(f"stack/{self.rank}"), text)
+        self._post("stack", text)
 
     def stacks(self, ranks: list[int], wait_s: float) -> dict[int, str | None]:
         """Each rank's posted stack, waiting up to ``wait_s`` in all (None: it did not answer)."""
@@ -118,7 +141,7 @@ class Board:
             return False
 
     def post_collectives(self, recent: list[Collective]) -> None:
-        self.store.set(self._key(f"collectives/{self.rank}"), "\n".join(c.encode() for c in recent))
+        self._post("collectives", "\n".join(c.encode() for c in recent))
 
     def collectives(self, wait_s: float) -> dict[int, list[Collective]]:
         """Every rank's recent collectives (flight.recent) that arrived within ``wait_s``."""
@@ -126,22 +149,28 @@ class Board:
         return {rank: [c for c in map(Collective.decode, text.splitlines()) if c is not None]
                 for rank, text in posted.items() if text is not None}
 
+    def _post(self, kind: str, text: str) -> None:
+        """This rank's ``kind`` key, then its name on the list of ranks that posted one."""
+        self.store.set(self._key(f"{kind}/{self.rank}"), text)
+        self.store.append(self._key(f"{kind}_ranks"), f"{self.rank},")  # type: ignore[attr-defined]
+
     def _posted(self, kind: str, ranks: list[int], deadline: float) -> dict[int, str | None]:
         """Each rank's ``kind`` key, once all are there or at ``deadline``: one request per poll
-        for every rank, not one per rank (4,096 ranks' stacks would be 4,096 round trips)."""
-        keys = {rank: self._key(f"{kind}/{rank}") for rank in ranks}
-        while not self.store.check(list(keys.values())) and time.monotonic() < deadline:
+        (the list of ranks that posted), then one for the values, at any number of ranks. (A
+        read that checked each missing rank's key made two requests per rank: at 4,096 ranks
+        with a few silent, 8,000 round trips after every hang.)"""
+        listed = self._key(f"{kind}_ranks")
+        self.store.append(listed, "")  # type: ignore[attr-defined]  # (made if nobody posted yet)
+        wanted = set(ranks)
+        while True:
+            present = wanted & {int(rank) for rank in self.store.get(listed).decode().split(",") if rank}
+            if present == wanted or time.monotonic() >= deadline:
+                break
             time.sleep(0.05)
-        return self._read(keys)
-
-    def _read(self, keys: dict[int, str]) -> dict[int, str | None]:
-        """The value of each rank's key (None: not set): one multi_get when every key is there."""
-        names = list(keys.values())
-        if self.store.check(names):
-            values: list[bytes | None] = list(self.store.multi_get(names))
-        else:
-            values = [self.store.get(name) if self.store.check([name]) else None for name in names]
-        return {rank: None if value is None else value.decode() for rank, value in zip(keys, values)}
+        found = sorted(present)
+        values = self.store.multi_get([self._key(f"{kind}/{rank}") for rank in found]) if found else []
+        texts = {rank: value.decode() for rank, value in zip(found, values)}
+        return {rank: texts.get(rank) for rank in ranks}
 
     # --- leaving ---------------------------------------------------------------------------
     def leave(self, wait_for_others: bool) -> None:
