@@ -8,8 +8,9 @@ worker process marks every rank's gradient all-reduce (``arrive``/``depart``) ev
 a process of its own, so its CPU time and memory are its own.
 
 Per N, three phases:
-1. start-up: every rank connects to the store (``Board``: one client, its info key) and
-   publishes its first heartbeat;
+1. start-up: once every worker process has started (imported torch), every rank connects to
+   the store at once, as ranks do after a rendezvous (``Board``: one client, its info key), and
+   publishes its first heartbeat; a probe client's latency meanwhile;
 2. steady: ``--steady-s`` seconds of steps; the store operations the watchdogs issue (counted
    on their clients), the store server's CPU, and the latency of a probe client's ``set`` and
    ``get`` (as a heartbeat sees the store) every 20 ms;
@@ -42,10 +43,14 @@ from types import SimpleNamespace
 HOST = "127.0.0.1"
 LABEL = "the gradient all-reduce"
 HANG_STEP = 1_000_000  # the step every simulated rank stands at when the hang begins
-# How long the workers may take to act on a hang's verdict and exit: 512 simulated ranks a process
-# each answer it (their stacks read from one process of 1,000 threads): 26-119 s at 4,096 ranks on
-# a quiet 2-core machine (258 s once); a real rank is a process of its own and answers once.
+# How long the workers may take to act on a hang's verdict and exit: 4 s at 4,096 ranks with 128 a
+# process, 26-258 s with 512 a process (below); a wider margin for a busy machine.
 EXIT_WAIT_S = 300
+# Simulated ranks a worker process holds at most: each is two threads, and a process of 1,000 threads
+# (512 ranks) spent minutes in its interpreter's lock after a hang's verdict (gdb: 1,032 of 1,079
+# threads waiting in take_gil): 4,096 ranks in 8 processes exited in 165-183 s, in 16 in 68 s,
+# in 32 in 4 s (2026-12-05). A real rank is a process of its own.
+RANKS_PER_WORKER = 256
 
 
 # --- the store server (a process of its own) -------------------------------------------------
@@ -111,6 +116,8 @@ def work(port: int, world: int, first: int, last: int, timeout: float, step_s: f
 
     say = lambda *words: print(*words, flush=True)  # noqa: E731 - the orchestrator reads lines
     say("ready", time.time())
+    sys.stdin.readline()  # "go": every worker has imported torch; the ranks connect at once, as after a rendezvous
+
     def start(rank: int) -> Watchdog:  # every real rank connects at once: so do these, 64 at a time
         env = SimpleNamespace(rank=rank, world_size=world, master_addr=HOST, master_port=port)
         dog = Watchdog(env, timeout, run_dir=None).start()
@@ -274,9 +281,14 @@ def measure(n: int, workers: int, timeout: float, step_s: float, steady_s: float
              for w in range(workers) if bounds[w] < bounds[w + 1]]
     started, startup_latencies = threading.Event(), []  # the store's answers while the ranks start
     prober = threading.Thread(target=lambda: startup_latencies.extend(probe_latency(client, 3600, started)))
-    prober.start()
     try:
-        ready = [read_number(p, "ready", errors) for p in procs]
+        for p in procs:
+            read_number(p, "ready", errors)
+        prober.start()
+        go = time.time()
+        for p in procs:
+            p.stdin.write("go\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
         connected = [read_number(p, "connected", errors) for p in procs]
         keys = [f"ddptrain/hb/{r}" for r in range(n)]
         while not client.check(keys):
@@ -284,11 +296,11 @@ def measure(n: int, workers: int, timeout: float, step_s: float, steady_s: float
             time.sleep(0.02)
         started.set()
         prober.join()
-        startup = {"connect_s": max(connected) - max(ready), "first_beats_s": time.time() - max(ready),
+        startup = {"connect_s": max(connected) - go, "first_beats_s": time.time() - go,
                    "startup_p99_ms": percentile(startup_latencies, 0.99), "startup_max_ms": max(startup_latencies)}
         print(f"{n} ranks: connected in {startup['connect_s']:.2f} s, every first heartbeat in "
               f"{startup['first_beats_s']:.2f} s; the store's answers meanwhile p99 "
-              f"{startup['startup_p99_ms']:.1f} ms, at most {startup['startup_max_ms']:.0f} ms",
+              f"{startup['startup_p99_ms']:.1f} ms, at most {startup['startup_max_ms']:.1f} ms",
               file=sys.stderr, flush=True)
 
         def count() -> int:
@@ -323,6 +335,8 @@ def measure(n: int, workers: int, timeout: float, step_s: float, steady_s: float
                             "first_culprits": verdict.get("culprits", [])[:8]}}
     finally:  # a worker that failed leaves the others and the server running otherwise
         started.set()
+        if prober.is_alive():
+            prober.join()
         for proc in [*procs, server]:
             if proc.poll() is None:
                 proc.kill()
@@ -362,7 +376,8 @@ def main() -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", default="256,1024,4096", help="comma-separated N (default 256,1024,4096)")
-    parser.add_argument("--workers", type=int, default=8, help="processes holding the simulated ranks (default 8)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help=f"processes holding the simulated ranks (default: one per {RANKS_PER_WORKER}, at least 8)")
     parser.add_argument("--timeout", type=float, default=5.0, help="the watchdog's --timeout (default 5)")
     parser.add_argument("--step-s", type=float, default=0.1, help="a simulated step's time (default 0.1)")
     parser.add_argument("--steady-s", type=float, default=10.0, help="the steady phase's length (default 10)")
@@ -373,7 +388,8 @@ def main() -> int:
     args = parser.parse_args()
     rows = []
     for n in map(int, args.ranks.split(",")):
-        rows.append(measure(n, args.workers, args.timeout, args.step_s, args.steady_s))
+        workers = args.workers or max(8, -(-n // RANKS_PER_WORKER))
+        rows.append(measure(n, workers, args.timeout, args.step_s, args.steady_s))
         print(json.dumps(rows[-1]), flush=True)
     capacities = measured_capacity(args.capacity_procs, args.capacity_clients, args.capacity_probes)
     print()
