@@ -7,7 +7,7 @@ does; ``Task`` describes what to train; ``RunConfig`` holds the settings; ``Trai
 
 from __future__ import annotations
 
-__version__ = "0.2.0"
+__version__ = "0.4.0"
 
 from .config import RunConfig  # noqa: E402 (no torch: a bad flag is reported at once)
 from .errors import ConfigError  # noqa: E402
