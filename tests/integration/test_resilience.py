@@ -94,9 +94,9 @@ def test_rank_0_frozen_is_named_within_the_timeout_and_the_job_ends(tmp_path):
     torch's store client waits forever for such a server (its timeout bounds waiting for a key,
     not for an answer), and the hang judge is rank 0's own thread: the job hung silently (400 s,
     measured, with --timeout 20). Now rank 1 says in a line within --timeout (10 s) that it lost
-    the store, and the launcher ends the frozen rank (its 30 s grace, then SIGKILL): exit 1, a
-    few lines, nothing left running (43 s measured). A freeze shorter than --timeout first: the
-    job trains on."""
+    the store (after asking it on a connection of its own, up to 5 s), and the launcher ends the
+    frozen rank (its 30 s grace, then SIGKILL): exit 1, a few lines, nothing left running (43 s
+    measured before that question). A freeze shorter than --timeout first: the job trains on."""
     run_dir = tmp_path / "run"
     job = subprocess.Popen([str(BIN / "ddptrain"), "train", "--task", TASKS + "slow_steps", "--nproc", "2",
                             "--max-epochs", "20", "--timeout", "10", "--run-dir", str(run_dir)],
