@@ -43,8 +43,8 @@ from types import SimpleNamespace
 HOST = "127.0.0.1"
 LABEL = "the gradient all-reduce"
 HANG_STEP = 1_000_000  # the step every simulated rank stands at when the hang begins
-# How long the workers may take to act on a hang's verdict and exit: 4 s at 4,096 ranks with 128 a
-# process, 26-258 s with 512 a process (below); a wider margin for a busy machine.
+# How long the workers may take to act on a hang's verdict and exit: 25-51 s at 4,096 ranks with 256
+# a process (RANKS_PER_WORKER), 4 s with 128, 26-258 s with 512 (below); a wider margin for a busy machine.
 EXIT_WAIT_S = 300
 # Simulated ranks a worker process holds at most: each is two threads, and a process of 1,000 threads
 # (512 ranks) spent minutes in its interpreter's lock after a hang's verdict (gdb: 1,032 of 1,079
