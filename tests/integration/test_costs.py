@@ -70,9 +70,12 @@ def test_a_step_starts_the_collectives_a_hand_written_loop_does_and_no_more(tmp_
     stops = sum(step.pop(STOP_AGREEMENT, 0) for step in steady)
     # The agreement is spaced by the steps' measured speed (CHECK_SECONDS of steps, measured over
     # the interval before): once in 5 steps at this job's milliseconds a step; on a machine so
-    # busy that the profiled steps took up to 0.15 s each, every third step is its design.
+    # busy that the profiled steps took up to 0.15 s each, every third step is its design. One
+    # more where the interval in force as these 5 began was measured over slower steps before
+    # them (4 ranks on 2 cores starting: 2 in 5 steps of up to 0.076 s, once in a fresh clone).
+    # An agreement every step, the waste this guards against, is 5.
     slowest = max(step_seconds(tmp_path))
     allowed = math.ceil(5 / max(1, int(CHECK_SECONDS / slowest)))
-    assert stops <= max(1, allowed), (f"the stop agreement ran {stops} times in 5 steps of up to {slowest:.3f} s "
-                                      f"(at most twice a second)")
+    assert stops <= max(1, allowed) + 1, (f"the stop agreement ran {stops} times in 5 steps of up to "
+                                          f"{slowest:.3f} s (at most twice a second)")
     assert steady == [collections.Counter(per_step)] * 5, steady

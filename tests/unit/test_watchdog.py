@@ -184,15 +184,18 @@ def test_the_store_probe_tells_a_live_store_from_one_that_accepts_and_never_answ
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)  # noqa: F841 - it answers
     silent = socket.create_server(("127.0.0.1", 0))  # its backlog accepts; nobody ever reads or answers
-    try:
-        started = time.monotonic()
-        assert store_answers("127.0.0.1", port, 2.0) and time.monotonic() - started < 2
-        started = time.monotonic()
-        assert not store_answers("127.0.0.1", silent.getsockname()[1], 1.0)
-        assert not store_answers("127.0.0.1", free_port(), 1.0)  # nobody listens
-        assert time.monotonic() - started < 4
-    finally:
-        silent.close()
+    # Open for this process's life: the probe's thread, left behind, waits on it without a word;
+    # closed, torch's client would retry and log each try on the test's console.
+    STILL_OPEN.append(silent)
+    started = time.monotonic()
+    assert store_answers("127.0.0.1", port, 2.0) and time.monotonic() - started < 2
+    started = time.monotonic()
+    assert not store_answers("127.0.0.1", silent.getsockname()[1], 1.0)
+    assert not store_answers("127.0.0.1", free_port(), 1.0)  # nobody listens
+    assert time.monotonic() - started < 4
+
+
+STILL_OPEN: list = []
 
 
 SILENT_CALL = """
