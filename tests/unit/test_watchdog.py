@@ -174,6 +174,7 @@ def test_rank_0_reads_the_ranks_stacks_in_a_request_per_poll_however_many_are_mi
 def test_the_store_probe_tells_a_live_store_from_one_that_accepts_and_never_answers_and_from_none():
     """torch's client waits for ever for a server that accepts and never answers (a frozen
     host): the probe answers False within its wait even then."""
+    import os
     import socket
 
     import torch.distributed as dist
@@ -184,9 +185,9 @@ def test_the_store_probe_tells_a_live_store_from_one_that_accepts_and_never_answ
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)  # noqa: F841 - it answers
     silent = socket.create_server(("127.0.0.1", 0))  # its backlog accepts; nobody ever reads or answers
-    # Open for this process's life: the probe's thread, left behind, waits on it without a word;
-    # closed, torch's client would retry and log each try on the test's console.
-    STILL_OPEN.append(silent)
+    # Open until this process ends (a descriptor never closed, past the interpreter's shutdown): the
+    # probe's thread, left behind, waits on it without a word; closed, torch's client logs its retry.
+    os.dup(silent.fileno())
     started = time.monotonic()
     assert store_answers("127.0.0.1", port, 2.0) and time.monotonic() - started < 2
     started = time.monotonic()
@@ -194,8 +195,6 @@ def test_the_store_probe_tells_a_live_store_from_one_that_accepts_and_never_answ
     assert not store_answers("127.0.0.1", free_port(), 1.0)  # nobody listens
     assert time.monotonic() - started < 4
 
-
-STILL_OPEN: list = []
 
 
 SILENT_CALL = """
