@@ -91,28 +91,8 @@ class Counting:
         return counted
 
 
-def where_threads_are(*_: object) -> None:
-    """To stderr: how many of this process's threads stand at each innermost frame of ddptrain's
-    (or of the thread's own code, when none is ddptrain's)."""
-    import collections
-    import traceback
-
-    places: collections.Counter[str] = collections.Counter()
-    for frame in sys._current_frames().values():
-        frames = traceback.extract_stack(frame)
-        ours = [f for f in frames if "ddptrain" in f.filename] or frames[-1:]
-        places[" < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in ours[-1:] + frames[-1:])] += 1
-    print(f"--- {os.getpid()}: {sum(places.values())} threads", file=sys.stderr)
-    for place, count in places.most_common(15):
-        print(f"{count:6} {place}", file=sys.stderr, flush=True)
-
-
 def work(port: int, world: int, first: int, last: int, timeout: float, step_s: float) -> None:
-    import signal
-
     from ddptrain.resilience.watchdog import Watchdog
-
-    signal.signal(signal.SIGUSR1, where_threads_are)  # `kill -USR1 <worker>`: a count of where its threads are
 
     say = lambda *words: print(*words, flush=True)  # noqa: E731 - the orchestrator reads lines
     say("ready", time.time())
