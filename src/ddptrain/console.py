@@ -44,23 +44,41 @@ def drop_console(stream: Any) -> None:
 
 
 @contextlib.contextmanager
-def native_stderr_to(path: Path) -> Iterator[None]:
+def native_stderr_to(path: Path, restore_after_error: bool = False) -> Iterator[None]:
     """What native code writes to file descriptor 2 goes to ``path`` for the block; Python's
     ``sys.stderr`` (ddptrain's lines, tracebacks, warnings, the progress bar) keeps the console.
 
     torch's C++ warnings write there: a rank whose peer died prints 20-40 lines of C++ frames
     per closed TCPStore connection ("recvVector failed", "Broken pipe") before ddptrain's own
-    report. They stay in the rank's log for whoever wants them, not on everyone's console.
-    Restored when the block ends normally (``fit()`` under torchrun returns to its script)."""
+    report; the launcher's store prints a line when a reverse lookup of a rank's address fails
+    ("The hostname of the client socket cannot be retrieved"). They stay in the log for whoever
+    wants them, not on everyone's console. Restored when the block ends normally (``fit()``
+    under torchrun returns to its script); after an error only with ``restore_after_error``
+    (a rank's process is ending, and its native last words go to the log too; a launcher in
+    someone's script or notebook goes on)."""
     sys.stderr.flush()
-    saved, console = sys.stderr, os.dup(2)
+    saved, console = sys.stderr, os.dup(_console_descriptor())
     path.parent.mkdir(parents=True, exist_ok=True)
     log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     sys.stderr = open(console, "w", buffering=1, closefd=False, errors="backslashreplace")
     os.dup2(log, 2)
     os.close(log)
-    yield  # after an error, left as it is: the process is ending, its native last words go to the log too
-    sys.stderr.flush()
-    os.dup2(console, 2)
-    os.close(console)
-    sys.stderr = saved
+    ended = False
+    try:
+        yield
+        ended = True
+    finally:
+        if ended or restore_after_error:
+            sys.stderr.flush()
+            os.dup2(console, 2)
+            os.close(console)
+            sys.stderr = saved
+
+
+def _console_descriptor() -> int:
+    """Where ``sys.stderr`` writes: descriptor 2, unless a block above moved native output away
+    (a rank forked from a launcher inside ``native_stderr_to``: its console is the launcher's)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream with no descriptor (a test's capture)
+        return 2

@@ -18,6 +18,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -26,6 +27,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ..config import RunConfig
+from ..console import native_stderr_to
 from ..errors import ConfigError
 from ..observe.goodput import LAUNCHED_AT
 from ..resilience.failures import job_failure
@@ -74,10 +76,11 @@ def check_can_listen(addr: str, port: int) -> None:
 
 
 @contextlib.contextmanager
-def launcher_scope(**variables: str) -> Iterator[None]:
-    """Set ``variables`` and quiet torch's launcher logs for the launch; afterwards restore the
-    environment (the elastic agent adds variables of its own), the signal handlers and the
-    log levels."""
+def launcher_scope(native_log: Path, **variables: str) -> Iterator[None]:
+    """Set ``variables``, quiet torch's launcher logs and send native code's writes to stderr
+    (torch's C++ warnings) to ``native_log`` for the launch; afterwards restore the environment
+    (the elastic agent adds variables of its own), the signal handlers, the log levels and
+    stderr."""
     handlers = {sig: signal.getsignal(sig) for sig in AGENT_SIGNALS}
     loggers = {name: logging.getLogger(name) for name in QUIETED_LOGGERS}
     levels = {name: logger.level for name, logger in loggers.items()}
@@ -86,7 +89,8 @@ def launcher_scope(**variables: str) -> Iterator[None]:
     for name, logger in loggers.items():
         logger.setLevel(QUIETED_LOGGERS[name])
     try:
-        yield
+        with native_stderr_to(native_log, restore_after_error=True):
+            yield
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -126,7 +130,8 @@ def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFact
     )
     # A restarted rank must not reuse the previous attempt's store (gloo connectFullMesh
     # failures or hangs, pytorch/pytorch#135712); the restart tests here pass with it.
-    scope = launcher_scope(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", DDPTRAIN_LOCAL_LAUNCH="1",
+    scope = launcher_scope(run_dir / "logs" / "launcher.stderr",  # (torch's C++ warnings: a failed reverse lookup)
+                           TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", DDPTRAIN_LOCAL_LAUNCH="1",
                            DDPTRAIN_LAUNCHER_PID=str(os.getpid()),
                            # the attempt's start (goodput.py): `ddptrain train`'s process's, else now
                            **{LAUNCHED_AT: os.environ.get(LAUNCHED_AT) or str(time.time())})
