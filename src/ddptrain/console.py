@@ -43,6 +43,11 @@ def drop_console(stream: Any) -> None:
             setattr(sys, name, sink)
 
 
+# Each native_stderr_to block in force in this process: (sys.stderr before it, the console's
+# descriptor). A rank forked from a launcher inside one inherits it (reclaim_console).
+_MOVED: list[tuple[Any, int]] = []
+
+
 @contextlib.contextmanager
 def native_stderr_to(path: Path, restore_after_error: bool = False) -> Iterator[None]:
     """What native code writes to file descriptor 2 goes to ``path`` for the block; Python's
@@ -57,12 +62,13 @@ def native_stderr_to(path: Path, restore_after_error: bool = False) -> Iterator[
     (a rank's process is ending, and its native last words go to the log too; a launcher in
     someone's script or notebook goes on)."""
     sys.stderr.flush()
-    saved, console = sys.stderr, os.dup(_console_descriptor())
+    saved, console = sys.stderr, os.dup(2)
     path.parent.mkdir(parents=True, exist_ok=True)
     log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     sys.stderr = open(console, "w", buffering=1, closefd=False, errors="backslashreplace")
     os.dup2(log, 2)
     os.close(log)
+    _MOVED.append((saved, console))
     ended = False
     try:
         yield
@@ -73,12 +79,14 @@ def native_stderr_to(path: Path, restore_after_error: bool = False) -> Iterator[
             os.dup2(console, 2)
             os.close(console)
             sys.stderr = saved
+            _MOVED.remove((saved, console))
 
 
-def _console_descriptor() -> int:
-    """Where ``sys.stderr`` writes: descriptor 2, unless a block above moved native output away
-    (a rank forked from a launcher inside ``native_stderr_to``: its console is the launcher's)."""
-    try:
-        return sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # a stream with no descriptor (a test's capture)
-        return 2
+def reclaim_console() -> None:
+    """In a rank forked from a launcher inside ``native_stderr_to``: descriptor 2 and
+    ``sys.stderr`` back as the launcher found them, before the rank enables faulthandler (which
+    writes to the descriptor ``sys.stderr`` has then) and moves its own native output to its log."""
+    while _MOVED:
+        saved, console = _MOVED.pop()
+        os.dup2(console, 2)
+        sys.stderr = saved

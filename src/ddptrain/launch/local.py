@@ -76,11 +76,12 @@ def check_can_listen(addr: str, port: int) -> None:
 
 
 @contextlib.contextmanager
-def launcher_scope(native_log: Path, **variables: str) -> Iterator[None]:
+def launcher_scope(native_log: Path | None, **variables: str) -> Iterator[None]:
     """Set ``variables``, quiet torch's launcher logs and send native code's writes to stderr
     (torch's C++ warnings) to ``native_log`` for the launch; afterwards restore the environment
     (the elastic agent adds variables of its own), the signal handlers, the log levels and
-    stderr."""
+    stderr. ``native_log`` None: stderr stays (spawned ranks inherit descriptor 2 as it is, and
+    could not take the console back as forked ones do: rank_entry)."""
     handlers = {sig: signal.getsignal(sig) for sig in AGENT_SIGNALS}
     loggers = {name: logging.getLogger(name) for name in QUIETED_LOGGERS}
     levels = {name: logger.level for name, logger in loggers.items()}
@@ -89,7 +90,7 @@ def launcher_scope(native_log: Path, **variables: str) -> Iterator[None]:
     for name, logger in loggers.items():
         logger.setLevel(QUIETED_LOGGERS[name])
     try:
-        with native_stderr_to(native_log, restore_after_error=True):
+        with native_stderr_to(native_log, restore_after_error=True) if native_log else contextlib.nullcontext():
             yield
     finally:
         os.environ.clear()
@@ -130,7 +131,8 @@ def launch_local(cfg: RunConfig, nproc: int, device_kind: str, factory: TaskFact
     )
     # A restarted rank must not reuse the previous attempt's store (gloo connectFullMesh
     # failures or hangs, pytorch/pytorch#135712); the restart tests here pass with it.
-    scope = launcher_scope(run_dir / "logs" / "launcher.stderr",  # (torch's C++ warnings: a failed reverse lookup)
+    native_log = run_dir / "logs" / "launcher.stderr" if config.start_method == "fork" else None
+    scope = launcher_scope(native_log,  # torch's C++ warnings (a failed reverse lookup of a rank's address)
                            TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", DDPTRAIN_LOCAL_LAUNCH="1",
                            DDPTRAIN_LAUNCHER_PID=str(os.getpid()),
                            # the attempt's start (goodput.py): `ddptrain train`'s process's, else now

@@ -30,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from .. import tasks
 from ..comm import DistContext, round_prefix
 from ..config import RunConfig
-from ..console import native_stderr_to, say
+from ..console import native_stderr_to, reclaim_console, say
 from ..data import is_stream
 from ..errors import ConfigError, PeerFailed, PeerStuck
 from ..resilience import flight
@@ -69,6 +69,7 @@ def rank_entry(cfg: RunConfig, factory: TaskFactory | None) -> Outcome:
     # server thread, which only exists in the launcher, and hang forever (seen in a restart
     # test: a rank stuck in LibUVStoreDaemon's destructor). The rank's GC leaves them alone.
     gc.freeze()
+    reclaim_console()  # the launcher sent its native stderr to its log; the rank sends its own to its own
     die_with_launcher()
     try:
         outcome = cast(Outcome, run_rank(cfg, factory))  # (@record's None is for SystemExit(0) only)

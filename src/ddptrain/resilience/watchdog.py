@@ -205,16 +205,18 @@ class Watchdog(CollectiveMarks):
                 last_beat = time.monotonic() if due else last_beat
                 poll = time.monotonic() - last_poll >= self.verdict_period_s
                 last_poll = time.monotonic() if poll else last_poll
-                # The recorder is read (about a millisecond) only when the rank has not moved for a
-                # period: a rank that takes steps faster than that never pays for it.
+                # The recorder is read (about a millisecond) only for a heartbeat due from a rank that
+                # has not moved for a period: a rank that takes steps faster never pays for it, and a
+                # still one (a long load, a hang) once a heartbeat period (5 s at --timeout 300).
                 now = (self.arrivals, self.inside, self.label, self.step)
                 still, marks = now == marks, now
-                beat = Heartbeat(self.arrivals, self.inside,
-                                 self.label if self.step is None else f"{self.label} (step {self.step})",
-                                 in_flight() if still else None)
-                if due and beat != published:
-                    board.publish(beat)
-                    published = beat
+                if due:
+                    beat = Heartbeat(self.arrivals, self.inside,
+                                     self.label if self.step is None else f"{self.label} (step {self.step})",
+                                     in_flight() if still else None)
+                    if beat != published:
+                        board.publish(beat)
+                        published = beat
                 verdict = board.verdict() if poll or (self.rank == 0 and due) else None
                 if verdict is not None:
                     self._act_on(verdict)
