@@ -147,6 +147,29 @@ def test_rank_0_reads_every_heartbeat_in_two_store_requests_however_many_ranks_h
     assert [rank for rank, beat in beats.items() if beat is not None] == [7]
 
 
+def test_a_still_rank_reads_the_flight_recorder_once_a_heartbeat_not_once_a_period(monkeypatch):
+    """A rank that does not move (a long load, a hang) reads the recorder (about a millisecond
+    with its buffer full) for the heartbeats it publishes: at --timeout 300, every 5 s, not every
+    0.5 s; here a 0.2 s heartbeat on 0.05 s periods."""
+    import torch.distributed as dist
+
+    from ddptrain import free_port
+    from ddptrain.resilience import watchdog
+
+    reads = []
+    monkeypatch.setattr(watchdog, "in_flight", lambda: reads.append(time.monotonic()))
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)  # noqa: F841 - serves the board
+    env = type("Env", (), {"rank": 1, "world_size": 2, "master_addr": "127.0.0.1", "master_port": port})
+    dog = watchdog.Watchdog(env, 4.0, run_dir=None, period_s=0.05)
+    assert dog.beat_period_s == pytest.approx(0.2)
+    dog.start()
+    time.sleep(1.5)  # 30 periods, 7 heartbeats
+    dog.finished.set()
+    dog.thread.join(timeout=5)
+    assert 3 <= len(reads) <= 9, reads
+
+
 def test_rank_0_reads_the_ranks_stacks_in_a_request_per_poll_however_many_are_missing():
     """After a hang at 4,096 ranks with a few silent, a read that checked each missing rank's
     key made 8,000 round trips."""
