@@ -83,3 +83,15 @@ def test_the_control_plane_benchmark_at_256_simulated_ranks_names_the_hung_rank(
     assert row["ranks"] == 256 and row["named_right"] and row["ops_per_s"] > 0, row
     assert 2 <= row["named_s"] < 2 + 2 * 0.5 + 5, row  # --timeout + 2 periods, and a busy machine's slack
     assert any(line.split()[:1] == ["256"] for line in result.stdout.splitlines()), result.stdout
+
+
+@pytest.mark.slow
+def test_the_control_plane_start_up_benchmark_times_each_part_of_a_ranks_start():
+    """benchmarks/control_plane_startup.py's smoke run: 32 simulated ranks start a bare store
+    client, ddptrain's board, the watchdog with idle threads and the watchdog, each timed."""
+    script = Path(__file__).parents[2] / "benchmarks" / "control_plane_startup.py"
+    result = run([str(BIN / "python"), str(script), "--ranks", "32", "--workers", "1", "--reps", "1"], timeout=300)
+    assert_ok(result)
+    rows = {line[:16].strip(): line[16:].split() for line in result.stdout.splitlines()[2:]}
+    assert list(rows) == ["client", "board", "idle threads", "watchdog"], result.stdout
+    assert all(float(row[0]) > 0 for row in rows.values()), result.stdout

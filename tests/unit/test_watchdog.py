@@ -170,6 +170,38 @@ def test_a_still_rank_reads_the_flight_recorder_once_a_heartbeat_not_once_a_peri
     assert 3 <= len(reads) <= 9, reads
 
 
+def test_beyond_1024_ranks_the_thread_sleeps_until_a_heartbeat_or_a_poll_is_due_not_every_period():
+    """At 4,096 ranks the heartbeats and verdict polls come less often than a period: the
+    thread wakes for them alone (at 256 simulated ranks a process, every wake-up contends for
+    one interpreter lock; control_plane_startup.py). Periods of 0.05 s here: a heartbeat every
+    0.25 s, a poll every 0.2 s; the store-silence thread wakes once a second."""
+    import threading
+
+    import torch.distributed as dist
+
+    from ddptrain import free_port
+    from ddptrain.resilience import watchdog
+
+    class CountedEvent(threading.Event):
+        waits = 0
+
+        def wait(self, timeout=None):
+            CountedEvent.waits += 1
+            return super().wait(timeout)
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)  # noqa: F841 - serves the board
+    env = type("Env", (), {"rank": 1, "world_size": 4096, "master_addr": "127.0.0.1", "master_port": port})
+    dog = watchdog.Watchdog(env, 5.0, run_dir=None, period_s=0.05)
+    assert (dog.beat_period_s, dog.verdict_period_s) == (pytest.approx(0.25), pytest.approx(0.2))
+    dog.finished = CountedEvent()
+    dog.start()
+    time.sleep(2.0)  # every period: 40 wake-ups and 2; when due: about 18 and 2
+    dog.finished.set()
+    dog.thread.join(timeout=5)
+    assert 8 <= CountedEvent.waits <= 26, CountedEvent.waits
+
+
 def test_rank_0_reads_the_ranks_stacks_in_a_request_per_poll_however_many_are_missing():
     """After a hang at 4,096 ranks with a few silent, a read that checked each missing rank's
     key made 8,000 round trips."""

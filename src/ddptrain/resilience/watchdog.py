@@ -8,8 +8,9 @@ A thread per rank talks to the job's store (its own connection, see launch/group
   changed, every ``beat_period`` (a twentieth of ``--timeout``, 0.5 to 5 s; beyond 1,024
   ranks slower in proportion to the ranks, up to a quarter of ``--timeout``).
 - **Fail fast.** A rank that raises publishes a verdict (the first one wins, through the
-  store's compare-and-set); every other rank's thread sees it within ``PERIOD_S`` and ends
-  its process, even when its main thread is blocked in a collective or ignores SIGTERM.
+  store's compare-and-set); every other rank's thread sees it within a ``verdict_period``
+  (``PERIOD_S`` up to 1,024 ranks, at most 2 s) and ends its process, even when its main
+  thread is blocked in a collective or ignores SIGTERM. Between its rounds the thread sleeps.
 - **Hang diagnosis.** Rank 0's thread judges: a rank that has waited inside collective #n
   for ``--timeout`` seconds means some rank never arrived there. The ranks that entered
   fewer collectives (or none, or never started) are the culprits; the ranks that waited
@@ -46,7 +47,8 @@ from .failures import hard_exit, record_error
 from .flight import in_flight, last_entered, recent
 from .hangs import dump_stacks, hang_summary, judge_hang, refine
 
-PERIOD_S = 0.5  # how often each rank's thread wakes: looks for a verdict, publishes its heartbeat when due
+PERIOD_S = 0.5  # how often each rank's thread wakes at most: looks for a verdict, publishes its heartbeat when due
+EARLY_S = 0.01  # a round this much early counts as due (a timed wait may end a little early)
 SCALE_RANKS = 1024  # beyond this many ranks the heartbeats and the verdict polls slow down in proportion
 MAX_VERDICT_S = 2.0  # the verdict polls' slowest period (verdict_period)
 BEAT_SHARE, MAX_BEAT_S = 20, 5.0  # heartbeats every --timeout / 20, at most every 5 s (beat_period)
@@ -198,16 +200,17 @@ class Watchdog(CollectiveMarks):
         board, published, marks = self.board, None, None
         last_beat = last_poll = -float("inf")
         assert board is not None
-        while not self.finished.wait(self.period_s):
+        wait_s = self.period_s
+        while not self.finished.wait(wait_s):
             self.calling_since = time.monotonic()
             try:
-                due = time.monotonic() - last_beat >= self.beat_period_s
+                due = time.monotonic() - last_beat >= self.beat_period_s - EARLY_S
                 last_beat = time.monotonic() if due else last_beat
-                poll = time.monotonic() - last_poll >= self.verdict_period_s
+                poll = time.monotonic() - last_poll >= self.verdict_period_s - EARLY_S
                 last_poll = time.monotonic() if poll else last_poll
                 # The recorder is read (about a millisecond) only for a heartbeat due from a rank that
-                # has not moved for a period: a rank that takes steps faster never pays for it, and a
-                # still one (a long load, a hang) once a heartbeat period (5 s at --timeout 300).
+                # has not moved since the last round: a rank that takes steps faster never pays for it,
+                # and a still one (a long load, a hang) once a heartbeat period (5 s at --timeout 300).
                 now = (self.arrivals, self.inside, self.label, self.step)
                 still, marks = now == marks, now
                 if due:
@@ -226,6 +229,10 @@ class Watchdog(CollectiveMarks):
                 self._lost_store(error)
             self.calling_since = None
             self.store_answered = True
+            # Asleep until the next heartbeat or poll is due: beyond SCALE_RANKS ranks both come
+            # less often than a period (4,096 ranks at --timeout 5: 0.8 rounds a second, not 2).
+            wait_s = max(min(last_beat + self.beat_period_s, last_poll + self.verdict_period_s) - time.monotonic(),
+                         EARLY_S)
 
     def _watch_store(self) -> None:
         """A second thread: the first one's store calls must end (see store_silent_s). A call
