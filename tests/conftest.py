@@ -3,9 +3,12 @@ The helpers the tests call are in tests/helpers/commands.py."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 TESTS = Path(__file__).parent
@@ -23,6 +26,10 @@ sys.path.insert(0, str(TESTS / "helpers"))
 # (measured: 4 of 100 store connections took 5.0 s). One second before asking again keeps the
 # answer and spares the suite minutes of waiting on a resolver no test is about.
 os.environ.setdefault("RES_OPTIONS", "timeout:1")
+# Where the processes the tests start write their stacks when asked (helpers/sitecustomize.py),
+# removed when this test process ends.
+os.environ["DDPTRAIN_TEST_STACKS"] = tempfile.mkdtemp(prefix="ddptrain-stacks-")
+atexit.register(shutil.rmtree, os.environ["DDPTRAIN_TEST_STACKS"], ignore_errors=True)
 
 import pytest  # noqa: E402
 

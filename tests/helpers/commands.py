@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,7 @@ def finish(process: subprocess.Popen, timeout: float) -> tuple[str, str, bool]:
         out, err = process.communicate(timeout=timeout)
         return out, err, False
     except subprocess.TimeoutExpired:
+        stacks = ask_for_stacks([process.pid, *descendants(process.pid)])
         kill_tree(process)
     try:
         out, err = process.communicate(timeout=10)
@@ -101,7 +103,29 @@ def finish(process: subprocess.Popen, timeout: float) -> tuple[str, str, bool]:
             if stream is not None:
                 stream.close()
         out, err = "", "(output lost: the pipes stayed open after every process was killed)"
-    return out, err, True
+    return out, err + stacks, True
+
+
+def ask_for_stacks(pids: list[int], wait_s: float = 1.0) -> str:
+    """Every thread's stack in each of ``pids`` that runs Python (helpers/sitecustomize.py:
+    SIGUSR2), with its command line: where a command that ran past its time stood."""
+    folder = os.environ.get("DDPTRAIN_TEST_STACKS")
+    if not folder:
+        return ""
+    commands = {}
+    for pid in pids:
+        try:
+            commands[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+            os.kill(pid, signal.SIGUSR2)
+        except OSError:  # gone meanwhile
+            continue
+    time.sleep(wait_s)
+    found = []
+    for pid, command in commands.items():
+        dump = Path(folder, f"{pid}.stacks")
+        text = (dump.read_text(errors="replace") if dump.exists() else "").strip()
+        found.append(f"--- process {pid}: {command.strip()}\n{text or '(no stacks: not Python, or no answer)'}")
+    return "\n\nthe stacks of every process when it ran past its time:\n" + "\n".join(found) if found else ""
 
 
 def run(args: list[str], timeout: float = 180, env: dict[str, str] | None = None,

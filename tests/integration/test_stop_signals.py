@@ -75,7 +75,8 @@ def test_a_stop_signal_to_the_launcher_ends_the_job_within_10_s_and_it_resumes_b
     os.kill(job.pid, sig)
     out, err, late = finish(job, timeout=10)
     took = time.monotonic() - signalled
-    assert not late and job.returncode == 143, f"exit {job.returncode} after {took:.1f} s\n{out}\n{err}"
+    assert not late and job.returncode == 143, \
+        f"exit {job.returncode} after {took:.1f} s\n{err}\nits last lines out:\n{out[-600:]}"  # stacks first
     assert "run the same command to resume" in err
     assert not any(os.path.exists(f"/proc/{pid}") for pid in ranks), "a rank is still running"
     assert list((run_dir / "snapshots").glob("step-*"))
