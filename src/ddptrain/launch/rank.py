@@ -103,8 +103,15 @@ def leave_once_parked(grace_s: float = 0.5) -> None:
     reached ``ddptrain train`` or a ``fit()`` script) never does, and kills the ranks after
     30 s. The result is in the queue's pipe by then, readable after this process is gone, so
     a rank parked for ``grace_s`` sets the event itself. (Setting it, not exiting: a process
-    that dies while waiting on a multiprocessing Event deadlocks the next ``set()``.)"""
-    main = threading.main_thread().ident
+    that dies while waiting on a multiprocessing Event deadlocks the next ``set()``.)
+
+    The thread is not a daemon: the process ends only after it has (it stops once the main
+    thread has). As a daemon, a rank woken by another process's ``set()`` could end while its
+    thread, queued behind it for the event's lock, had just taken it; nobody ever released it,
+    and a peer rank hung on it until the launcher's SIGKILL 30 s later (a launcher ending
+    normally, for ever). tests/unit/test_parked_ranks.py makes that happen."""
+    main_thread = threading.main_thread()
+    main = main_thread.ident
 
     def parked_on() -> Any:
         """The event the main thread is parked on in torch's ``_wrap``, or None."""
@@ -119,7 +126,7 @@ def leave_once_parked(grace_s: float = 0.5) -> None:
 
     def watch() -> None:
         since = None
-        while True:
+        while main_thread.is_alive():  # (not after threading's shutdown has begun: it joins this thread)
             event = parked_on()
             now = time.monotonic()
             since = (since or now) if event is not None else None
@@ -128,7 +135,7 @@ def leave_once_parked(grace_s: float = 0.5) -> None:
                 return
             time.sleep(0.05)
 
-    threading.Thread(target=watch, name="ddptrain-exit", daemon=True).start()
+    threading.Thread(target=watch, name="ddptrain-exit", daemon=False).start()
 
 
 def leave(code: int) -> None:
