@@ -130,7 +130,10 @@ def test_a_2_rank_group_whose_rank_1_is_sigkilled_leaves_the_quorum_within_the_h
     death (resilience/siblings.py): 3.1-3.5 s waits. No step pause: the more of a step is
     torchft's, the likelier a kill finds rank 0 inside it."""
     steps = tmp_path / "group-0.steps"
-    options = ("--task", "ft_tasks:kill_paced", "--max-epochs", "100", "--nproc", "2")
+    # 300 epochs, more than the test needs (it ends after the third leave): with 100, group 0 once
+    # had nearly finished the job when group 1 came back a third time (four test files at a time),
+    # and group 1 finished it before its kill.
+    options = ("--task", "ft_tasks:kill_paced", "--max-epochs", "300", "--nproc", "2")
     first = group_job(lighthouse, 0, tmp_path / "group-0", *options, STEP_LOG=str(steps))
     log1 = tmp_path / "group-1.log"
     processes = [first]
@@ -143,7 +146,9 @@ def test_a_2_rank_group_whose_rank_1_is_sigkilled_leaves_the_quorum_within_the_h
                 assert first.poll() is None and second.poll() is None and time.monotonic() < deadline, log1.read_text()
                 time.sleep(0.1)
             time.sleep(random.uniform(1.0, 2.0))  # a random moment of its training
-            os.kill(int((tmp_path / "group-1" / "pids" / "rank-1.pid").read_text()), signal.SIGKILL)
+            rank_1 = tmp_path / "group-1" / "pids" / "rank-1.pid"
+            assert second.poll() is None and rank_1.exists(), f"group 1 ended before its kill:\n{log1.read_text()}"
+            os.kill(int(rank_1.read_text()), signal.SIGKILL)
             finish(second, 60)
             assert second.returncode != 0 and first.poll() is None, log1.read_text()
             # Group 0 trains alone before group 1 comes back: a restart quicker than the lighthouse's
