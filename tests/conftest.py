@@ -40,11 +40,10 @@ from helpers.commands import clean_env, finish  # noqa: E402
 # sorts the files by their number of tests: the 4 tests of test_bench.py, 215 s, then started
 # 12 minutes in and ended the suite). The longest files go first (measured, seconds of wall in a
 # -n 3 run), so the suite does not end with workers idle beside one still running a long file;
-# the rest keep their order, the unit tests (milliseconds each) last. test_bench.py (CPU-bound) starts
-# beside test_remote_run_dir.py, which mostly waits on stores cut or silent: with
-# test_fault_tolerance.py (waits on heartbeats) there instead, the cores were under 70% busy in
-# 10 of the suite's first 26 ten-second samples (14% in one).
-LONGEST_FIRST = ("test_data.py", "test_remote_run_dir.py", "test_bench.py", "test_fault_tolerance.py",
+# the rest keep their order, the unit tests (milliseconds each) last. (Tried: test_bench.py second,
+# beside the store-outage tests instead of test_fault_tolerance.py, to pair tests that mostly wait
+# with CPU-bound ones: then test_fault_tolerance.py met test_resilience.py, the cores as idle.)
+LONGEST_FIRST = ("test_data.py", "test_remote_run_dir.py", "test_fault_tolerance.py", "test_bench.py",
                  "test_resilience.py", "test_snapshots.py", "test_matrix.py", "test_stop_signals.py",
                  "test_docs.py", "test_launch_multihost.py", "test_parallel_fsdp.py", "test_real_models.py",
                  "test_api.py", "test_launch_ray.py", "test_cli_bad_input.py", "test_trackers.py",
