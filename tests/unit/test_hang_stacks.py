@@ -5,6 +5,8 @@ each process stood, forked children included."""
 import subprocess
 import sys
 
+import pytest
+
 from helpers.commands import clean_env, finish
 
 PARENT_AND_FORKED_CHILD = """
@@ -17,6 +19,7 @@ parked_in_the_parent()
 """
 
 
+@pytest.mark.slow  # 2.5 s: it waits for the timeout, then for the stacks
 def test_a_command_past_its_time_comes_back_with_the_stacks_of_each_of_its_processes():
     process = subprocess.Popen([sys.executable, "-c", PARENT_AND_FORKED_CHILD], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=clean_env(), start_new_session=True)
