@@ -11,7 +11,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_pr
 
 from ddptrain.launch.rank import leave_once_parked
 
-ROUNDS = 10  # before the fix, 4 runs of 5 in 5 lost the lock within 5 rounds
+ROUNDS = 10  # before the fix, 4 of 5 runs of 5 rounds lost the lock
 
 
 def returns_at_once() -> str:
