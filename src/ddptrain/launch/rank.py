@@ -111,11 +111,10 @@ def leave_once_parked(grace_s: float = 0.5) -> None:
     and a peer rank hung on it until the launcher's SIGKILL 30 s later (a launcher ending
     normally, for ever). tests/unit/test_parked_ranks.py makes that happen."""
     main_thread = threading.main_thread()
-    main = main_thread.ident
 
     def parked_on() -> Any:
         """The event the main thread is parked on in torch's ``_wrap``, or None."""
-        frame = sys._current_frames().get(main)  # type: ignore[arg-type]  # the main thread's ident is set
+        frame = sys._current_frames().get(main_thread.ident)  # type: ignore[arg-type]  # the main thread's ident is set
         while frame is not None:
             caller = frame.f_back
             if (frame.f_code.co_name == "wait" and frame.f_code.co_filename.endswith("synchronize.py")
