@@ -43,14 +43,21 @@ from types import SimpleNamespace
 HOST = "127.0.0.1"
 LABEL = "the gradient all-reduce"
 HANG_STEP = 1_000_000  # the step every simulated rank stands at when the hang begins
-# How long the workers may take to act on a hang's verdict and exit: 25-51 s at 4,096 ranks with 256
-# a process (RANKS_PER_WORKER), 4 s with 128, 26-258 s with 512 (below); a wider margin for a busy machine.
+# How long the workers may take to act on a hang's verdict and exit: 3.3-3.8 s at 4,096 ranks, 25-51 s
+# at Python's default switch interval (SWITCH_INTERVAL_S), minutes with 512 ranks a process (below).
 EXIT_WAIT_S = 300
 # Simulated ranks a worker process holds at most: each is two threads, and a process of 1,000 threads
 # (512 ranks) spent minutes in its interpreter's lock after a hang's verdict (gdb: 1,032 of 1,079
 # threads waiting in take_gil): 4,096 ranks in 8 processes exited in 165-183 s, in 16 in 68 s,
 # in 32 in 4 s (2026-12-05). A real rank is a process of its own.
 RANKS_PER_WORKER = 256
+# The interpreter's switch interval in a worker process (Python's default: 5 ms). A thread that wants the
+# interpreter's lock forces its holder to drop it after this long; with 512 threads a process, most of them
+# waking for a store call, those forced hand-offs convoyed: 4,096 watchdogs started in 5.5-15.1 s at 5 ms,
+# 2.3-3.3 s at 50 ms, 18.6-36.8 s at 0.5 ms (control_plane_startup.py, 2026-12-05). A real rank's two
+# watchdog threads share their process with its main thread alone; the threads here block on sockets
+# (which lets the lock go at once) far sooner than 50 ms, so this only spares them a convoy a real rank has not.
+SWITCH_INTERVAL_S = 0.05
 
 
 # --- the store server (a process of its own) -------------------------------------------------
@@ -94,6 +101,7 @@ class Counting:
 def work(port: int, world: int, first: int, last: int, timeout: float, step_s: float) -> None:
     from ddptrain.resilience.watchdog import Watchdog
 
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     say = lambda *words: print(*words, flush=True)  # noqa: E731 - the orchestrator reads lines
     say("ready", time.time())
     sys.stdin.readline()  # "go": every worker has imported torch; the ranks connect at once, as after a rendezvous

@@ -10,7 +10,8 @@ every process has imported torch), timed to the last rank started, for what each
 
 Each variant runs ``--reps`` times against a fresh store (served from the script's process); the table gives the median,
 the range and the ratio to the floor's median. A simulated rank's threads share their worker
-process's interpreter lock with 255 others, which a real rank (a process of its own) does not.
+process's interpreter lock with 255 others (handed over every ``SWITCH_INTERVAL_S``, as in
+control_plane.py), which a real rank (a process of its own) does not.
 
     python benchmarks/control_plane_startup.py --ranks 4096 --reps 3
 """
@@ -27,7 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-from control_plane import HOST, RANKS_PER_WORKER
+from control_plane import HOST, RANKS_PER_WORKER, SWITCH_INTERVAL_S
 
 VARIANTS = ("client", "board", "idle threads", "watchdog")
 
@@ -39,6 +40,7 @@ def work(port: int, world: int, first: int, last: int, variant: str) -> None:
     from ddptrain.resilience.board import Board
     from ddptrain.resilience.watchdog import Watchdog
 
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as control_plane.py's workers
     if variant == "idle threads":
         Watchdog._run = Watchdog._watch_store = lambda self: None  # type: ignore[method-assign]
 
