@@ -14,7 +14,9 @@ Per N, three phases:
 2. steady: ``--steady-s`` seconds of steps; the store operations the watchdogs issue (counted
    on their clients), the store server's CPU, and the latency of a probe client's ``set`` and
    ``get`` (as a heartbeat sees the store) every 20 ms;
-3. a hang: the last rank stops taking steps while every other rank enters the next all-reduce;
+3. a hang: the last rank stops taking steps while every other rank enters the next all-reduce
+   (``--stop die``: the last rank dies instead, as a SIGKILLed one looks to the store: its
+   heartbeats stop, its connection closes, it answers nothing and never leaves);
    the time until rank 0's judge posts its verdict (the goal: ``--timeout`` + 2 heartbeat
    periods, watchdog.beat_period at that size), and
    until every worker process has acted on it and exited (the verdict's propagation).
@@ -42,6 +44,7 @@ from types import SimpleNamespace
 
 HOST = "127.0.0.1"
 LABEL = "the gradient all-reduce"
+STOPS = {"hang": "hung", "die": "died"}  # --stop: what the last rank does
 HANG_STEP = 1_000_000  # the step every simulated rank stands at when the hang begins
 # How long the workers may take to act on a hang's verdict and exit: 3.3-3.8 s at 4,096 ranks, 25-51 s
 # at Python's default switch interval (SWITCH_INTERVAL_S), minutes with 512 ranks a process (below).
@@ -97,6 +100,10 @@ class Counting:
             return method(*args, **kwargs)
         return counted
 
+    def close(self) -> None:
+        """Drop the client (its last reference): its connection closes."""
+        self._store = None
+
 
 def work(port: int, world: int, first: int, last: int, timeout: float, step_s: float) -> None:
     from ddptrain.resilience.watchdog import Watchdog
@@ -113,8 +120,16 @@ def work(port: int, world: int, first: int, last: int, timeout: float, step_s: f
         return dog
     with ThreadPoolExecutor(max_workers=64) as pool:
         dogs = list(pool.map(start, range(first, last)))
+    counters = [dog.board.store for dog in dogs]
     say("connected", time.time())
-    hang = threading.Event()
+    hang, how = threading.Event(), []
+
+    def die(dog: Watchdog) -> None:
+        """The rank as a SIGKILL leaves it, seen from the store: no heartbeat, answer or leave again."""
+        dog.finished.set()  # its two threads end at their next wake (neither leaves the board)
+        dog.thread.join()  # type: ignore[union-attr]  # started
+        dog.board = None
+        counters[dogs.index(dog)].close()  # type: ignore[union-attr]  # counting
 
     def drive() -> None:
         step = 0
@@ -129,11 +144,14 @@ def work(port: int, world: int, first: int, last: int, timeout: float, step_s: f
             dog.arrivals = HANG_STEP
             if dog.rank != world - 1:
                 dog.arrive(LABEL, HANG_STEP + 1)
+            elif how == ["die"]:
+                die(dog)
     threading.Thread(target=drive, daemon=True).start()
     for line in sys.stdin:
         if line.startswith("count"):
-            say("count", sum(dog.board.store.ops for dog in dogs))  # type: ignore[union-attr]  # counting
-        elif line.startswith("hang"):
+            say("count", sum(counter.ops for counter in counters))  # type: ignore[union-attr]  # counting
+        elif line.split()[0] in ("hang", "die"):
+            how.append(line.split()[0])
             hang.set()
     time.sleep(3600)  # a verdict's watchdog ends this process
 
@@ -253,7 +271,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def measure(n: int, workers: int, timeout: float, step_s: float, steady_s: float) -> dict[str, float | int | bool]:
+def measure(n: int, workers: int, timeout: float, step_s: float, steady_s: float,
+            stop: str = "hang") -> dict[str, float | int | bool]:
     import torch.distributed as dist
 
     server, port, libuv = start_server()
@@ -302,7 +321,7 @@ def measure(n: int, workers: int, timeout: float, step_s: float, steady_s: float
         ops1, cpu2, t1 = count(), cpu_seconds(server.pid), time.monotonic()
         stopped = time.monotonic()
         for p in procs:
-            p.stdin.write("hang\n")  # type: ignore[union-attr]
+            p.stdin.write(f"{stop}\n")  # type: ignore[union-attr]
             p.stdin.flush()  # type: ignore[union-attr]
         while not client.check(["ddptrain/verdict"]):
             time.sleep(0.01)
@@ -314,7 +333,7 @@ def measure(n: int, workers: int, timeout: float, step_s: float, steady_s: float
         rss = rss_mib(server.pid)
         server.kill()
         server.wait()
-        return {"ranks": n, "libuv": libuv, **startup, "ops_per_s": (ops1 - ops0) / (t1 - t0),
+        return {"ranks": n, "stop": stop, "libuv": libuv, **startup, "ops_per_s": (ops1 - ops0) / (t1 - t0),
                 "server_cpu_pct": 100 * (cpu2 - cpu1) / (t1 - t0), "server_cpu_startup_s": cpu1 - cpu0,
                 "server_rss_mib": rss, "latency_p50_ms": statistics.median(latencies),
                 "latency_p99_ms": percentile(latencies, 0.99), "named_s": named_s,
@@ -347,7 +366,7 @@ def table(rows: list[dict], capacities: list[float], timeout: float) -> str:
     lines.append(f"store capacity here: {capacity_ops:,.0f} ops/s (set+check; the median of {len(capacities)} probes, "
                  f"{min(capacities):,.0f} to {max(capacities):,.0f}); libuv backend: "
                  f"{'yes' if all(r['libuv'] for r in rows) else 'no'}; goal for 'named s': --timeout {timeout:g} "
-                 f"+ 2 heartbeat periods at that size")
+                 f"+ 2 heartbeat periods at that size; the last rank {STOPS[rows[0]['stop']]}")
     return "\n".join(lines)
 
 
@@ -367,6 +386,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=None,
                         help=f"processes holding the simulated ranks (default: one per {RANKS_PER_WORKER}, at least 8)")
     parser.add_argument("--timeout", type=float, default=5.0, help="the watchdog's --timeout (default 5)")
+    parser.add_argument("--stop", choices=sorted(STOPS), default="hang",
+                        help="what the last rank does: hangs (the default) or dies")
     parser.add_argument("--step-s", type=float, default=0.1, help="a simulated step's time (default 0.1)")
     parser.add_argument("--steady-s", type=float, default=10.0, help="the steady phase's length (default 10)")
     parser.add_argument("--capacity-procs", type=int, default=2, help="processes per capacity probe (default 2)")
@@ -377,7 +398,7 @@ def main() -> int:
     rows = []
     for n in map(int, args.ranks.split(",")):
         workers = args.workers or max(8, -(-n // RANKS_PER_WORKER))
-        rows.append(measure(n, workers, args.timeout, args.step_s, args.steady_s))
+        rows.append(measure(n, workers, args.timeout, args.step_s, args.steady_s, args.stop))
         print(json.dumps(rows[-1]), flush=True)
     capacities = measured_capacity(args.capacity_procs, args.capacity_clients, args.capacity_probes)
     print()

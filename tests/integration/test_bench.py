@@ -71,18 +71,24 @@ def test_bench_floor_prints_both_floors_and_ddptrains_1_epoch_command_side_by_si
 
 
 @pytest.mark.slow
-def test_the_control_plane_benchmark_at_256_simulated_ranks_names_the_hung_rank(tmp_path):
-    """benchmarks/control_plane.py's smoke run: 256 of ddptrain's watchdogs on one TCPStore take
-    steps, the last one stops, rank 0's judge names it (the figures are the script's business)."""
+@pytest.mark.parametrize("stop,ranks,workers", [("hang", 256, 4), ("die", 32, 1)])
+def test_the_control_plane_benchmark_names_the_rank_that_stopped(tmp_path, stop, ranks, workers):
+    """benchmarks/control_plane.py's smoke run: N of ddptrain's watchdogs on one TCPStore take
+    steps, the last one hangs (or dies: its heartbeats end and its connection closes), rank 0's
+    judge names it (the figures are the script's business)."""
     script = Path(__file__).parents[2] / "benchmarks" / "control_plane.py"
-    result = run([str(BIN / "python"), str(script), "--ranks", "256", "--workers", "4", "--steady-s", "1",
-                  "--timeout", "2", "--capacity-procs", "2", "--capacity-clients", "2", "--capacity-probes", "1",
-                  "--json", str(tmp_path / "cp.json")], timeout=300)
+    result = run([str(BIN / "python"), str(script), "--ranks", str(ranks), "--workers", str(workers), "--stop", stop,
+                  "--steady-s", "1", "--timeout", "2", "--capacity-procs", "2", "--capacity-clients", "2",
+                  "--capacity-probes", "1", "--json", str(tmp_path / "cp.json")], timeout=300)
     assert_ok(result)
     (row,) = json.loads((tmp_path / "cp.json").read_text())["rows"]
-    assert row["ranks"] == 256 and row["named_right"] and row["ops_per_s"] > 0, row
+    assert row["ranks"] == ranks and row["stop"] == stop and row["named_right"] and row["ops_per_s"] > 0, row
     assert 2 <= row["named_s"] < 2 + 2 * 0.5 + 5, row  # --timeout + 2 periods, and a busy machine's slack
-    assert any(line.split()[:1] == ["256"] for line in result.stdout.splitlines()), result.stdout
+    assert any(line.split()[:1] == [str(ranks)] for line in result.stdout.splitlines()), result.stdout
+    assert f"the last rank {'hung' if stop == 'hang' else 'died'}" in result.stdout
+    # rank 0's hang summary (on the workers' stderr): a hung rank answers with its stack, a dead one cannot
+    answer = "was in (innermost call last):" if stop == "hang" else "did not answer: it never started"
+    assert f"ddptrain: rank {ranks - 1} {answer}" in result.stderr, result.stderr[-3000:]
 
 
 @pytest.mark.slow
