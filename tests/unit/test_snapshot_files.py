@@ -2,6 +2,7 @@
 
 import os
 import pickle
+import time
 import warnings
 from pathlib import Path
 
@@ -58,6 +59,33 @@ def test_an_unfinished_dcp_folder_is_named_and_removed(tmp_path):
     with pytest.warns(UserWarning, match=r"\.step-000000040\.partial was never completed"):
         remove_partials(tmp_path)
     assert not partial.exists() and files.list_snapshots(tmp_path) == []
+
+
+class SlowWriter(files.SnapshotWriter):
+    """A disk that takes ``seconds`` to write a snapshot."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def _write(self, state, directory, keep):
+        time.sleep(self.seconds)
+        return super()._write(state, directory, keep)
+
+
+def test_after_a_failure_the_write_in_flight_is_finished_within_its_bound(tmp_path, monkeypatch):
+    """The failure path (close(wait=False)) keeps the snapshot being written: the error names it
+    as the last good one. A write slower than FAILED_WRITE_WAIT_S is left behind."""
+    writer = SlowWriter(0.3)
+    writer.submit(_good_state(20), tmp_path, keep=2)
+    writer.close(wait=False)
+    assert [files.snapshot_step(p) for p in files.list_snapshots(tmp_path)] == [20]
+    monkeypatch.setattr(files, "FAILED_WRITE_WAIT_S", 0.05)
+    writer = SlowWriter(1.0)
+    writer.submit(_good_state(25), tmp_path / "slow", keep=2)
+    started = time.monotonic()
+    writer.close(wait=False)
+    assert time.monotonic() - started < 0.5 and not files.list_snapshots(tmp_path / "slow")
 
 
 def test_rotation_keeps_the_newest_k_files_and_folders(tmp_path):

@@ -18,6 +18,7 @@ import shutil
 import warnings
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,10 @@ from ..errors import DiskFull, SnapshotError
 from ..run_dir import SNAPSHOT_NAME, snapshot_name, snapshot_number
 
 FORMAT_VERSION = 2
+# After a failure, how long rank 0 lets the snapshot write in flight finish before its process ends:
+# that snapshot was taken before the failure (a non-finite loss is caught before the next save), and
+# the error names it as the last good one. A local file: no peer is waited for.
+FAILED_WRITE_WAIT_S = 30.0
 REQUIRED = {
     "format_version": int, "progress": dict, "world_size": int, "batch_size": int, "global_batch": int,
     "fingerprint": dict, "rng": list,
@@ -251,11 +256,15 @@ class SnapshotWriter(BackgroundWrite):
         return path
 
     def close(self, wait: bool = True) -> None:
-        """Finish the write in flight (``wait``), or leave it to the process's end (after a
-        failure: a half-written temporary file is never a snapshot, and the next writer
-        removes it)."""
+        """Finish the write in flight; after a failure (not ``wait``) for FAILED_WRITE_WAIT_S at
+        most, its error ignored, and a write still going is left to the process's end (a
+        half-written temporary file is never a snapshot, and the next writer removes it).
+        (Left at once, a step's snapshot was lost under load when the steps after it met a NaN.)"""
         if not wait:
+            pending, self.pending = self.pending, None
             self.pool.shutdown(wait=False, cancel_futures=True)
+            if pending is not None:
+                wait_for([pending], timeout=FAILED_WRITE_WAIT_S)
             return
         try:
             self.wait()
