@@ -38,19 +38,18 @@ from helpers.commands import clean_env, finish  # noqa: E402
 # `make test` runs three test files at a time (pytest -n 3 --dist loadfile --no-loadscope-reorder):
 # each file goes whole to a worker, in collection order (without that flag xdist sorts the files
 # by their number of tests: the 4 tests of test_bench.py, 215 s, then started 12 minutes in and
-# ended the suite). xdist hands each worker two files at the start (the first and the fourth go
-# to one worker), then one more each time a worker has run all it holds. The longest go first
-# (measured, seconds of wall in a -n 3 run), so the suite does not end with workers idle beside
-# one still running a long file; the rest keep their order, the unit tests (milliseconds each) last.
-# The three files whose tests mostly wait by design (a store cut or silent for a minute, heartbeat
-# and hang timeouts: 0.28-0.48 of a core each) run one after another where they can, beside files
-# that keep the cores busy: test_remote_run_dir.py and test_fault_tolerance.py first and fourth,
-# on one worker; test_resilience.py ninth, handed out as the workers finish their first two files
-# (350-500 s in). Second, third and fifth, two of them ran at once from the start and the third
-# after the first on one worker: the cores were under 70% busy in 10 of the first 26 ten-second
-# samples. (One xdist group of the three, `--dist loadgroup`, does nothing with pytest 9.2: xdist
-# 3.8 appends the group to a test's `_nodeid`, which pytest now keeps as `_id`; tried: the tests
-# went out one by one.)
+# ended the suite). xdist hands each worker two files at the start (the fourth to sixth start when
+# a worker has run its first), then one more each time a worker has run all it holds. The longest
+# go first (measured, seconds of wall in a -n 3 run), so the suite does not end with workers idle
+# beside one still running a long file; the rest keep their order, the unit tests (milliseconds
+# each) last. The three files whose tests mostly wait by design (a store cut or silent for a
+# minute, heartbeat and hang timeouts: 0.28-0.48 of a core each) are spread out beside files that
+# keep the cores busy: test_remote_run_dir.py first, test_fault_tolerance.py fourth (it starts
+# 180-310 s in), test_resilience.py ninth (680 s in, one run). As second, third and fifth, two ran at
+# once from the start and the third right after the first on its worker: the cores were under 70%
+# busy in 10 of the first 26 ten-second samples. (One xdist group of the three, `--dist loadgroup`,
+# does nothing with pytest 9.2: xdist 3.8 appends the group to a test's `_nodeid`, which pytest now
+# keeps as `_id`; tried: the tests went out one by one.)
 LONGEST_FIRST = ("test_remote_run_dir.py", "test_data.py", "test_bench.py", "test_fault_tolerance.py",
                  "test_snapshots.py", "test_matrix.py", "test_stop_signals.py", "test_docs.py",
                  "test_resilience.py", "test_launch_multihost.py", "test_parallel_fsdp.py", "test_real_models.py",
