@@ -33,7 +33,7 @@ atexit.register(shutil.rmtree, os.environ["DDPTRAIN_TEST_STACKS"], ignore_errors
 
 import pytest  # noqa: E402
 
-from helpers.commands import clean_env, finish  # noqa: E402
+from helpers.commands import ForkedCommand, clean_env, finish  # noqa: E402
 
 # `make test` runs three test files at a time (pytest -n 3 --dist loadfile --no-loadscope-reorder):
 # each file goes whole to a worker, in collection order (without that flag xdist sorts the files
@@ -79,7 +79,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
     def cpu() -> float:
         own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+        forked = ForkedCommand.cpu_seconds  # commands the command server forked: not this process's children
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + forked
 
     began, cpu_began, started = time.monotonic(), cpu(), time.time()
     yield

@@ -3,17 +3,24 @@ what they started, read a run's files, compare weights. (Fixtures live in tests/
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import selectors
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 import ddptrain
+from ddptrain.launch import allocator
 from ddptrain.observe import report
 
 TESTS = Path(__file__).parent.parent
@@ -134,16 +141,140 @@ def run(args: list[str], timeout: float = 180, env: dict[str, str] | None = None
     command started (launchers leave ranks behind otherwise) is killed."""
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=env or clean_env(), cwd=cwd, stdin=subprocess.DEVNULL, start_new_session=True)
+    return complete(process, timeout)
+
+
+def complete(process: subprocess.Popen | ForkedCommand, timeout: float) -> subprocess.CompletedProcess[str]:
+    """A started command's result; past ``timeout`` the test fails (``finish``)."""
     out, err, late = finish(process, timeout)
     if late:
-        raise AssertionError(f"`{' '.join(args)}` ran past {timeout} s\n{out}\n{err}")
-    return subprocess.CompletedProcess(args, process.returncode, out, err)
+        raise AssertionError(f"`{' '.join(process.args)}` ran past {timeout} s\n{out}\n{err}")
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
 def ddptrain_cli(*args: str, timeout: float = 180, env: dict[str, str] | None = None,
-                 cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """The real command, in a process of its own (launch, signal and exit paths)."""
-    return run([str(BIN / "ddptrain"), *args], timeout=timeout, env=env, cwd=cwd)
+                 cwd: Path | None = None, fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """``ddptrain <args>`` in a process of its own, run to completion. Forked by the command
+    server (helpers/command_server.py) from an interpreter that has imported torch: the same
+    ``ddptrain.cli.entry`` in its own session, with its own streams, environment, folder and exit
+    status, without the 2.3 CPU-seconds of imports every start costs. ``fresh``: the installed
+    command, executed as a user runs it, for tests of the start itself (launchers, the
+    allocator's re-exec, errors before torch is imported)."""
+    argv = [str(BIN / "ddptrain"), *args]
+    if fresh:
+        return run(argv, timeout=timeout, env=env, cwd=cwd)
+    return complete(start_cli(*args, env=env, cwd=cwd), timeout)
+
+
+def start_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+              output: IO | None = None) -> ForkedCommand:
+    """``ddptrain <args>`` started by the command server, not waited for (``ddptrain_cli``);
+    ``output``: a file for its stdout and stderr, else pipes its ``communicate`` reads."""
+    return ForkedCommand([str(BIN / "ddptrain"), *args], env or clean_env(), cwd, output)
+
+
+class ForkedCommand:
+    """A command the command server forked, with what these helpers use of ``subprocess.Popen``:
+    ``args``, ``pid``, ``communicate`` (with a timeout, and again after one), ``poll``, ``wait``
+    and ``returncode``. Its parent is the server, not this process: its end comes from the
+    server's connection, its output from pipes this process made."""
+
+    _server: subprocess.Popen | None = None
+    _socket_path = ""
+    stdout = stderr = None  # no stream objects: finish() has nothing of them to close
+    cpu_seconds = 0.0  # what the ended commands cost, as RUSAGE_CHILDREN counts a child's (conftest)
+
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path | None = None, output: IO | None = None) -> None:
+        """``output``: a file for both streams (then ``communicate`` returns them empty), else pipes."""
+        self.args = argv
+        self.returncode: int | None = None
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        if output is None:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            self._open, streams = [out_r, err_r], [stdin, out_w, err_w]
+        else:
+            self._open, streams = [], [stdin, os.dup(output.fileno()), os.dup(output.fileno())]
+        self._read: dict[int, bytearray] = {fd: bytearray() for fd in self._open}
+        self._status = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._status.connect(self.server())
+        request = {"argv": argv, "env": env, "cwd": str(cwd or os.getcwd())}
+        socket.send_fds(self._status, [json.dumps(request).encode()], streams)
+        for fd in streams:
+            os.close(fd)
+        self.pid = int(self._status.recv(64))
+
+    @classmethod
+    def server(cls) -> str:
+        """The socket of this process's command server, started at the first command (it
+        ends when this process does: its stdin, a pipe from here, closes)."""
+        if cls._server is None or cls._server.poll() is not None:
+            folder = tempfile.mkdtemp(prefix="ddptrain-commands-")
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            cls._socket_path = os.path.join(folder, "socket")
+            env = clean_env()
+            library = allocator.mimalloc_path()
+            if library is not None:  # as `ddptrain train` re-executes itself (its ranks are forked from it)
+                env = allocator.preloaded_env(env, library)
+            cls._server = subprocess.Popen(
+                [sys.executable, str(Path(__file__).parent / "command_server.py"), cls._socket_path],
+                stdin=subprocess.PIPE, env=env, start_new_session=True)
+            deadline = time.monotonic() + 120
+            while not os.path.exists(cls._socket_path):
+                if cls._server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the command server did not start (exit {cls._server.poll()})")
+                time.sleep(0.05)
+        return cls._socket_path
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._status.setblocking(False)
+            try:
+                self._ended(self._status.recv(64))
+            except BlockingIOError:
+                self._status.setblocking(True)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._status.settimeout(timeout)
+            try:
+                self._ended(self._status.recv(64))
+            except TimeoutError:
+                self._status.settimeout(None)
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+        return self.returncode
+
+    def _ended(self, message: bytes) -> None:
+        if message:
+            code, cpu = message.split()
+            self.returncode = int(code)
+            ForkedCommand.cpu_seconds += float(cpu)
+        else:  # the server ended without saying (killed)
+            self.returncode = -signal.SIGKILL
+        self._status.close()
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Both streams to their end, then the exit status, as ``Popen.communicate`` with text."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with selectors.DefaultSelector() as selector:
+            for fd in self._open:
+                selector.register(fd, selectors.EVENT_READ)
+            while self._open:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                for key, _ in selector.select(left):
+                    chunk = os.read(key.fd, 1 << 16)
+                    if chunk:
+                        self._read[key.fd] += chunk
+                    else:
+                        selector.unregister(key.fd)
+                        os.close(key.fd)
+                        self._open.remove(key.fd)
+        self.wait(None if deadline is None else max(deadline - time.monotonic(), 0.001))
+        out, err = self._read.values() if self._read else (b"", b"")
+        return out.decode(errors="replace"), err.decode(errors="replace")
 
 
 def fit(task, run_dir: Path, env: dict[str, str] | None = None, **options):

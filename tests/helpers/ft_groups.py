@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ddptrain import free_port
-from helpers.commands import BIN, clean_env, finish, kill_tree
+from helpers.commands import BIN, ForkedCommand, clean_env, finish, kill_tree, start_cli
 
 ARGS = ["--fault-tolerance", "torchft", "--replica-groups", "2", "--batch-size", "16"]
 
@@ -45,17 +45,17 @@ def serving_lighthouse(request) -> Iterator[str]:
         server.wait(timeout=30)
 
 
-def group_job(lighthouse: str, group: int, run_dir: Path, *extra: str, **env: str) -> subprocess.Popen:
-    """Group ``group``'s job; its output goes to a file beside its run dir (a pipe nobody reads
-    while the test waits for the other group would fill up and stall it)."""
-    args = [str(BIN / "ddptrain"), "train", *ARGS, "--lighthouse", lighthouse, "--replica-group", str(group),
-            "--run-dir", str(run_dir), *extra]
-    output = open(run_dir.with_name(run_dir.name + ".log"), "a")  # noqa: SIM115 - the process writes it
-    return subprocess.Popen(args, stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=clean_env(DDPTRAIN_FT_HOST="127.0.0.1", OMP_NUM_THREADS="1", **env))
+def group_job(lighthouse: str, group: int, run_dir: Path, *extra: str, **env: str) -> ForkedCommand:
+    """Group ``group``'s job (forked by the command server: helpers.commands.start_cli); its
+    output goes to a file beside its run dir (a pipe nobody reads while the test waits for the
+    other group would fill up and stall it)."""
+    with open(run_dir.with_name(run_dir.name + ".log"), "a") as output:
+        return start_cli("train", *ARGS, "--lighthouse", lighthouse, "--replica-group", str(group),
+                         "--run-dir", str(run_dir), *extra, output=output,
+                         env=clean_env(DDPTRAIN_FT_HOST="127.0.0.1", OMP_NUM_THREADS="1", **env))
 
 
-def wait_ok(process: subprocess.Popen, timeout: float = 240) -> str:
+def wait_ok(process: ForkedCommand, timeout: float = 240) -> str:
     """Its output (the file's, this attempt's and earlier ones') once it ended, exit status 0."""
     _, _, late = finish(process, timeout)
     log = Path(process.args[process.args.index("--run-dir") + 1] + ".log").read_text()

@@ -206,7 +206,7 @@ def test_a_run_dir_url_that_cannot_work_is_one_line_at_once_and_writes_nothing(u
     took = []
     for args in (["--batch-size", "0"], ["--run-dir", url]):
         started = time.monotonic()
-        result = ddptrain_cli("train", *args, env=env)
+        result = ddptrain_cli("train", *args, env=env, fresh=True)
         took.append(time.monotonic() - started)
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert result.stderr.startswith(f"ddptrain: error: {words}"), result.stderr

@@ -5,7 +5,6 @@ import os
 import random
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from ddptrain import free_port
 from ddptrain.observe.goodput import account, read_timeline
 from ddptrain.observe.report import summarize
 from helpers.commands import (
+    ForkedCommand,
     assert_ok,
     assert_same_weights,
     clean_env,
@@ -189,7 +189,7 @@ def test_a_whole_job_restart_from_snapshots_of_different_steps_heals_the_group_b
     lose its steps 31-50): it heals from group 0's state, and both end bitwise equal."""
     options = ("--task", "ft_tasks:kill_paced", "--max-epochs", "3", "--save-every", "10", "--nproc", "1")
 
-    def start(group: int, kill_step: int, **env: str) -> subprocess.Popen:
+    def start(group: int, kill_step: int, **env: str) -> ForkedCommand:
         return group_job(lighthouse, group, tmp_path / f"group-{group}", *options, KILL_RANK="0",
                       KILL_STEP=str(kill_step), KILL_MARKER=str(tmp_path / f"killed-{group}"),
                       KILL_ONCE_SAVED=str(tmp_path / f"group-{group}" / "snapshots"), STEP_SLEEP="0.05", **env)
@@ -261,7 +261,7 @@ def test_a_group_restarted_after_the_others_finished_the_job_says_so_and_trains_
 
 
 def _lighthouse_lost(tmp_path: Path, frozen: bool, back_after_s: float | None, *options: str, at_loss: int = 20
-                     ) -> tuple[list[subprocess.Popen], float]:
+                     ) -> tuple[list[ForkedCommand], float]:
     """Two groups train; at group 0's ``at_loss``-th loss their lighthouse is SIGKILLed (``frozen``:
     SIGSTOPped, so its connections accept and nothing answers), and ``back_after_s`` later
     started again on its address (``frozen``: SIGCONT; None: never). The groups, and when it went."""
