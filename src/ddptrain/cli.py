@@ -71,7 +71,8 @@ def build_parser() -> OneLineParser:
     report = commands.add_parser("report", help="summary table, goodput over every attempt, curves.png and "
                                  "goodput.png of a run")
     report.add_argument("run_dir", help="a run directory holding metrics.jsonl")
-    report.add_argument("--json", action="store_true", help="print the summary and goodput's parts as JSON")
+    report.add_argument("--json", action="store_true", help="print the summary, goodput's parts and the curves' "
+                        "series (by step) as JSON")
     report.add_argument("--sync", default=None, metavar="TRACKER",
                         help="send the run's records that TRACKER (mlflow, wandb, csv, tensorboard) missed, "
                         "each step once, to the same tracker run; 'store': upload what this machine's mirror "
@@ -106,6 +107,18 @@ def build_parser() -> OneLineParser:
     commands.add_parser("bench", help="benchmark ddptrain against hand-written DDP loops and peers "
                         "(see ddptrain bench --help)")
     return parser
+
+
+def _nearest(unknown: list[str], command: str) -> str:
+    """``; did you mean --log-every?`` for the first unknown flag of ``train`` that is close to one."""
+    if command != "train":
+        return ""
+    from .config import nearest_flag
+
+    for word in unknown:
+        if word.startswith("--") and (close := nearest_flag(word.split("=", 1)[0])):
+            return f"; did you mean {close}?"
+    return ""
 
 
 def given_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -152,8 +165,11 @@ def report(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.run_dir}: no metrics.jsonl here; give the --run-dir of a run")
     summary = summarize(run_dir)
     found = account(read_timeline(run_dir))
-    if args.json:  # for machines: the summary and goodput's parts, nothing else
-        print(json.dumps({"summary": summary, "goodput": found}, indent=2))
+    if args.json:  # for machines: the summary, goodput's parts and the curves' series, nothing else
+        from .observe.report import curve_series, read_metrics
+
+        print(json.dumps({"summary": summary, "goodput": found, "curves": curve_series(read_metrics(run_dir))},
+                         indent=2))
         return 0
     print(format_summary(summary) if summary else f"{run_dir}: no epoch finished yet")
     note = plot_curves(run_dir)
@@ -254,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # reported by the subcommand, whose --help lists its flags
         parser.exit(2, f"ddptrain {args.command}: error: unrecognized arguments: "
-                       f"{' '.join(unknown)} (see ddptrain {args.command} --help)\n")
+                       f"{' '.join(unknown)}{_nearest(unknown, args.command)} (see ddptrain {args.command} --help)\n")
     try:
         return COMMANDS[args.command](args)
     except ConfigError as error:

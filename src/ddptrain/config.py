@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError  # noqa: F401 - also ddptrain.config.ConfigError
+from .errors import ConfigError  # also ddptrain.config.ConfigError
 from .run_dir import default_name
 
 
@@ -29,9 +29,12 @@ def _opt(help: str, *, choices: tuple[str, ...] | None = None, alias: str | None
     return field(metadata={"help": help, "choices": choices, "alias": alias, "many": many}, **kw)
 
 
+BUILT = "built"  # config.json's key for what the run built (the optimizer, the schedule): not a setting
 DEFAULT_EPOCHS = 5  # when neither --max-epochs nor --max-steps is given
 SYNC_EVERY, OUTER_LR, OUTER_MOMENTUM = 50, 0.7, 0.9  # --sync local-sgd|diloco (DiLoCo's paper: 500, 0.7, 0.9)
 TRACKERS = ("csv", "tensorboard", "mlflow", "wandb")  # observe/trackers.py
+ADAM_BETAS, ADAM_EPS = "0.9,0.999", 1e-8  # torch's AdamW defaults
+LOG_EVERY, LOG_TIMES = 10, 4  # --log-every's default: every 10 steps, or 4 times in a shorter run
 
 # Hyper-parameters a task may choose defaults for, and the defaults when it does not.
 GLOBAL_DEFAULTS: dict[str, Any] = {
@@ -45,7 +48,11 @@ GLOBAL_DEFAULTS: dict[str, Any] = {
 # resumed as if nothing happened (snapshots/restore.py compares them).
 MATH_FIELDS = ("task", "seed", "lr", "optimizer", "momentum", "weight_decay", "lr_schedule",
                "warmup_steps", "max_epochs", "max_steps", "global_batch", "grad_accum", "precision",
-               "clip_grad", "sync_batchnorm")
+               "clip_grad", "sync_batchnorm", "min_lr", "betas", "eps")
+
+# Settings in the math that fingerprints hold only where they differ from these values (their
+# defaults): a snapshot written before they existed, or with them left alone, matches.
+MATH_OMITTED_AT = {"min_lr": 0.0, "betas": ADAM_BETAS, "eps": ADAM_EPS}
 
 # Settings a resume keeps too, though snapshots written before them do not hold them, so those
 # are not asked about them: the average (--ema) and the figure best/ is judged by (--keep-best),
@@ -58,7 +65,8 @@ KEPT_ON_RESUME = ("ema", "ema_every", "keep_best", "replicas")
 NOT_IDENTITY = ("run_dir", "resume", "max_epochs", "max_steps", "progress", "tensorboard", "tracker", "plot",
                 "log_ranks", "timeout", "max_restarts", "keep", "save_every", "save_seconds", "mttf_hours",
                 "eval_every", "eval_every_steps", "workers", "peak_tflops", "profile", "lean_cpu_memory", "keep_best",
-                "early_stop", "early_stop_delta", "ema", "ema_every", "lighthouse")
+                "early_stop", "early_stop_delta", "ema", "ema_every", "lighthouse", "log_every", "eval_batches",
+                "final_eval")
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,10 @@ class RunConfig:
     lr_schedule: str = _opt("learning-rate schedule over the optimizer steps",
                             choices=("constant", "cosine", "linear"), default="constant")
     warmup_steps: int = _opt("steps of linear warm-up before the schedule", default=0)
+    min_lr: float = _opt("the rate cosine and linear decay end at (nanoGPT's min_lr)", default=0.0)
+    betas: str = _opt("adamw: its two decay rates, B1,B2 (nanoGPT uses 0.9,0.95 or 0.9,0.99)",
+                      default=ADAM_BETAS)
+    eps: float = _opt("adamw: the term added to its denominator", default=ADAM_EPS)
     seed: int = _opt("seed for data, initial weights and shuffling (same on every rank)", default=0)
     run_dir: str | None = _opt("where config, metrics, snapshots and model.pt go (default: "
                                "runs/TASK-HASH, named after the task and the settings, so the "
@@ -176,6 +188,12 @@ class RunConfig:
     eval_every: int = _opt("evaluate every N epochs (and at the end) when the task has an "
                            "evaluation set; 0: only at the end", default=1)
     eval_every_steps: int = _opt("also evaluate every N optimizer steps (0: off)", default=0)
+    eval_batches: int = _opt("evaluate on N batches of --batch-size, the same samples at every evaluation (a "
+                             "subset drawn once from --seed, so figures compare across the run and across world "
+                             "sizes; nanoGPT's eval_iters); 0: the whole evaluation set", default=0)
+    final_eval: str = _opt("the run's last evaluation: full (the whole evaluation set, whatever --eval-batches "
+                           "says) or same (--eval-batches' subset, like the others)",
+                           choices=("full", "same"), default="full")
     init_from: str = _opt("a fresh run's first weights: a model.pt or .safetensors file, a snapshot, another run "
                           "dir, or a Hugging Face folder (weights only; a resumed run ignores it)", default="")
     init_from_partial: bool = _opt("--init-from loads the tensors that match this model and names the rest "
@@ -190,6 +208,11 @@ class RunConfig:
                       "evaluated beside the weights (ema_eval_*), in every snapshot, written to RUN_DIR/ema/model.pt",
                       default=0.0)
     ema_every: int = _opt("update the --ema average every N optimizer steps", default=1)
+    log_every: int | None = _opt(f"a step record every N optimizer steps: the mean training loss over them (every "
+                                 f"rank's, as the optimizer saw it), the rate, the gradient norm and training-only "
+                                 f"throughput, in metrics.jsonl, the trackers and, without a progress bar, the "
+                                 f"console (default: {LOG_EVERY}, or {LOG_TIMES} times in a shorter run; 0: off)",
+                                 default=None)
     log_ranks: bool = _opt("every rank prints the tutorial's per-epoch line", default=False)
     progress: bool | None = _opt("progress bar on rank 0 (default: when stderr is a terminal)",
                                  default=None)
@@ -239,6 +262,26 @@ class RunConfig:
         return self.batch_size * world_size * self.grad_accum * self.replica_groups
 
     @property
+    def adam_betas(self) -> tuple[float, float]:
+        """--betas as two numbers, each in [0, 1); ConfigError (one line) otherwise."""
+        try:
+            first, second = (float(part) for part in self.betas.split(","))
+        except ValueError:
+            raise ConfigError(f"--betas needs two numbers B1,B2 such as 0.9,0.95, got {self.betas!r}") from None
+        if not (0 <= first < 1 and 0 <= second < 1):
+            raise ConfigError(f"--betas {self.betas}: each must be in [0, 1), e.g. 0.9,0.95")
+        return first, second
+
+    def log_interval(self, total_steps: int | None) -> int:
+        """--log-every as resolved for a run of ``total_steps`` (None: unknown): the setting, else
+        LOG_EVERY, or a step record LOG_TIMES times in a run shorter than LOG_TIMES x LOG_EVERY steps."""
+        if self.log_every is not None:
+            return self.log_every
+        if total_steps is None or total_steps >= LOG_EVERY * LOG_TIMES:
+            return LOG_EVERY
+        return max(1, total_steps // LOG_TIMES)
+
+    @property
     def sync_settings(self) -> tuple[int, float, float]:
         """--sync-every, --outer-lr and --outer-momentum as resolved (the defaults where unset)."""
         return (SYNC_EVERY if self.sync_every is None else self.sync_every,
@@ -260,6 +303,9 @@ class RunConfig:
             del values["max_steps"]  # snapshots from before the setting existed match
         if not self.sync_batchnorm:
             del values["sync_batchnorm"]  # snapshots from before the setting existed match
+        for name, default in MATH_OMITTED_AT.items():  # (the same: snapshots from before them match)
+            if values[name] == default:
+                del values[name]
         if self.sync != "every-step":  # (every-step: snapshots from before the setting existed match)
             every, outer_lr, outer_momentum = self.sync_settings
             # --replicas as given (None: one group per node, which follows the nodes on another world
@@ -285,8 +331,45 @@ class RunConfig:
 FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(RunConfig)}
 
 
+# The built-in optimizer's settings (optim.build_optimizer): a task's make_optimizer replaces them.
+OPTIMIZER_SETTINGS = ("optimizer", "momentum", "weight_decay", "betas", "eps")
+
+
+def unset_settings(cfg: RunConfig, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of ``names`` that ``cfg`` (as given, before the task's defaults) leaves at their defaults."""
+    return tuple(name for name in names if getattr(cfg, name) == FIELDS[name].default)
+
+
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+# Other trainers' names for our settings (nanoGPT's config keys, Lightning's and HF Trainer's
+# arguments): an unknown flag spelled as there is answered with ours.
+NAMES_ELSEWHERE = {
+    "log_interval": "log_every", "logging_steps": "log_every", "log_every_n_steps": "log_every",
+    "log_freq": "log_every", "eval_iters": "eval_batches", "limit_val_batches": "eval_batches",
+    "eval_interval": "eval_every_steps", "eval_steps": "eval_every_steps", "val_check_interval": "eval_every_steps",
+    "max_iters": "max_steps", "num_train_epochs": "max_epochs", "learning_rate": "lr",
+    "warmup_iters": "warmup_steps", "lr_decay_iters": "max_steps", "decay_lr": "lr_schedule",
+    "beta1": "betas", "beta2": "betas", "adam_beta1": "betas", "adam_beta2": "betas", "adam_epsilon": "eps",
+    "grad_clip": "clip_grad", "max_grad_norm": "clip_grad", "gradient_clip_val": "clip_grad",
+    "gradient_accumulation_steps": "grad_accum", "accumulate_grad_batches": "grad_accum",
+    "per_device_train_batch_size": "batch_size", "out_dir": "run_dir", "output_dir": "run_dir",
+    "dtype": "precision", "save_steps": "save_every", "lr_scheduler_type": "lr_schedule",
+}
+
+
+def nearest_flag(name: str) -> str | None:
+    """The flag a mistyped or borrowed setting name most likely meant (``--log_interval`` ->
+    ``--log-every``), or None when none is close."""
+    import difflib
+
+    key = name.strip().lstrip("-").replace("-", "_")
+    if key in NAMES_ELSEWHERE:
+        return flag(NAMES_ELSEWHERE[key])
+    close = difflib.get_close_matches(key, list(FIELDS), n=1, cutoff=0.6)
+    return flag(close[0]) if close else None
 
 
 def default_run_dir(cfg: RunConfig) -> str:

@@ -31,6 +31,7 @@ def validate(cfg: RunConfig) -> None:
     def finite(value: float | None) -> bool:
         return value is None or math.isfinite(value)
 
+    cfg.adam_betas  # noqa: B018 - its own one-line ConfigError when --betas is not B1,B2
     checks = [
         (cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}"),
         (cfg.max_epochs is None or cfg.max_epochs >= 0, f"--max-epochs must be 0 or more, got {cfg.max_epochs}"),
@@ -47,6 +48,14 @@ def validate(cfg: RunConfig) -> None:
         (finite(cfg.weight_decay) and (cfg.weight_decay is None or cfg.weight_decay >= 0),
          f"--weight-decay must be a finite number >= 0, got {cfg.weight_decay}"),
         (cfg.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {cfg.warmup_steps}"),
+        (math.isfinite(cfg.min_lr) and cfg.min_lr >= 0, f"--min-lr must be a finite number >= 0, got {cfg.min_lr}"),
+        (cfg.lr is None or cfg.min_lr <= cfg.lr, f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}: a decay ends "
+         "below where it starts; lower --min-lr"),
+        (math.isfinite(cfg.eps) and cfg.eps > 0, f"--eps must be a finite number > 0, got {cfg.eps}"),
+        (cfg.log_every is None or cfg.log_every >= 0, f"--log-every must be >= 0 (0: off), got {cfg.log_every}"),
+        (cfg.eval_batches >= 0, f"--eval-batches must be >= 0 (0: the whole set), got {cfg.eval_batches}"),
+        (cfg.eval_batches or cfg.final_eval == "full",
+         "--final-eval same reads --eval-batches' subset; give --eval-batches N too, or drop --final-eval"),
         (cfg.workers >= 0, f"--workers must be >= 0, got {cfg.workers}"),
         (cfg.save_every >= 0, f"--save-every must be >= 0 (0: off), got {cfg.save_every}"),
         (math.isfinite(cfg.save_seconds) and cfg.save_seconds >= 0,

@@ -22,35 +22,42 @@ from .tasks.protocol import Task
 
 
 class Evaluations:
-    """``batches``: the evaluation set's (None: the task has none, and an evaluation is empty).
+    """``batches``: the evaluation set's (None: the task has none, and an evaluation is empty), or
+    --eval-batches' subset of it, with ``whole``, which makes the whole set's for the run's final
+    evaluation (None: the final one reads ``batches`` too).
     ``share_buffers``: makes every rank's buffers rank 0's, so all evaluate what model.pt holds."""
 
     def __init__(self, *, task: Task, ctx: DistContext, strategy: Strategy, module: torch.nn.Module,
                  model: torch.nn.Module, average: WeightAverage | None, batches: EvalBatches | None,
                  best: BestModel | None, run_dir: Path, uploads: Uploader | None,
-                 share_buffers: Callable[[], None]) -> None:
+                 share_buffers: Callable[[], None], whole: Callable[[], EvalBatches] | None = None) -> None:
         self.task, self.ctx, self.strategy, self.module, self.model = task, ctx, strategy, module, model
         self.average, self.batches, self.best, self.run_dir, self.uploads = average, batches, best, run_dir, uploads
-        self.share_buffers = share_buffers
-        self.evaluated_at = -1  # the newest evaluation's global step, and its figures:
+        self.share_buffers, self.whole = share_buffers, whole
+        # the newest evaluation's (global step, over the whole set), and its figures:
+        self.evaluated_at: tuple[int, bool] = (-1, False)
         self.newest: dict[str, Any] = {}
 
-    def add_to(self, record: dict[str, Any]) -> None:
+    def add_to(self, record: dict[str, Any], final: bool = False) -> None:
         """The figures of the evaluation at the record's step into ``record`` (an epoch's, or an
-        evaluation's own), run and judged, unless that step's evaluation already ran (and was judged)."""
-        if self.evaluated_at == record["step"]:
+        evaluation's own), run and judged, unless that step's evaluation already ran (and was
+        judged). ``final``: the run's last, over the whole set where --eval-batches reads a subset."""
+        whole = final and self.whole is not None
+        if self.evaluated_at == (record["step"], whole):
             record.update(self.newest)
             return
-        record.update(self._run(record["step"]))
+        record.update(self._run(record["step"], whole))
         self._judge(record)
 
-    def _run(self, step: int) -> dict[str, Any]:
+    def _run(self, step: int, whole: bool) -> dict[str, Any]:
         """``eval_<name>`` for the weights' figures and ``ema_eval_<name>`` for the average's (every rank calls it)."""
         if self.batches is None:
             return {}
-        self.evaluated_at = step
+        self.evaluated_at = (step, whole)
         self.share_buffers()
         model = self.strategy.eval_model(self.module, self.model)
+        if whole and self.whole is not None:  # made at the first use: its loader's workers start then
+            self.batches, self.whole = self.whole(), None
         batches = self.batches
 
         def figures() -> dict[str, float]:
@@ -62,6 +69,8 @@ class Evaluations:
             with self.average.swapped_in(lambda: self.strategy.settle(self.module)):
                 averaged = figures()
             self.newest.update({f"ema_eval_{k}": v for k, v in averaged.items() if k != "samples"})
+        if self.task.eval_set is not None and len(self.task.eval_set) > self.newest.get("eval_samples", 0):  # type: ignore[arg-type]
+            self.newest["evaluated_on"] = "--eval-batches subset"  # (said in the record and the summary)
         return dict(self.newest)
 
     def _judge(self, record: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .config import BUILT
 from .errors import ConfigError
 
 FORMATS = ("safetensors", "hf", "torch")
@@ -192,7 +193,7 @@ def _from_task(run_dir: Path) -> Any:
     from .settings import from_options
 
     settings: dict[str, Any] = json.loads((run_dir / "config.json").read_text())
-    cfg = from_options({k: v for k, v in settings.items() if v is not None})
+    cfg = from_options({k: v for k, v in settings.items() if v is not None and k != BUILT})
     try:
         model = tasks.build(cfg).model  # the same seed: the same model the run started from
     except Exception as error:  # noqa: BLE001 - the user's factory: any failure is named, in one line

@@ -10,21 +10,22 @@ import torch
 
 from .config import RunConfig
 from .errors import ConfigError
+from .tasks.protocol import SchedulerFactory
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: RunConfig) -> torch.optim.Optimizer:
     name, lr, decay = cfg.hparam("optimizer"), cfg.hparam("lr"), cfg.hparam("weight_decay")
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=decay, betas=cfg.adam_betas, eps=cfg.eps)
     return torch.optim.SGD(params, lr=lr, momentum=cfg.hparam("momentum"), weight_decay=decay)
 
 
-def lr_factor(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+def lr_factor(schedule: str, warmup_steps: int, total_steps: int, floor: float = 0.0) -> Callable[[int], float]:
     """Multiplier of the base learning rate before optimizer step ``step`` (0-based).
 
     Warm-up rises linearly to 1 over ``warmup_steps``; then ``cosine`` falls as
     0.5 * (1 + cos(pi * p)) and ``linear`` as 1 - p, where p runs from 0 to 1 over the
-    remaining steps.
+    remaining steps, from 1 to ``floor`` (--min-lr over --lr) rather than to 0.
     """
     def factor(step: int) -> float:
         if step < warmup_steps:
@@ -33,31 +34,68 @@ def lr_factor(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[i
             return 1.0
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         if schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0 - progress
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return floor + (1.0 - floor) * (1.0 - progress)
     return factor
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig,
                     total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    factor = lr_factor(cfg.lr_schedule, cfg.warmup_steps, total_steps)
+    """--lr-schedule over ``total_steps``: every parameter group's rate decays to the same fraction
+    of its own, --min-lr / --lr (one group at --lr: to --min-lr exactly)."""
+    base = cfg.hparam("lr")
+    floor = cfg.min_lr / base if base > 0 else 0.0
+    factor = lr_factor(cfg.lr_schedule, cfg.warmup_steps, total_steps, floor)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def build_schedule(optimizer: torch.optim.Optimizer, cfg: RunConfig,
-                   steps_per_epoch: int | None) -> torch.optim.lr_scheduler.LRScheduler | None:
-    """The run's learning-rate schedule (None: a constant rate, nothing to step). Its length is
-    the run's in optimizer steps: --max-steps or the epochs' steps, the fewer; a stream's epoch
-    has no known length, so a decaying schedule over epochs of a stream is refused."""
-    if cfg.lr_schedule == "constant" and cfg.warmup_steps == 0:
-        return None
+def run_steps(cfg: RunConfig, steps_per_epoch: int | None) -> int | None:
+    """The run's length in optimizer steps: --max-steps or the epochs' steps, the fewer (None:
+    unknown, epochs of a stream)."""
     limits = [cfg.max_steps] if cfg.max_steps is not None else []
     if steps_per_epoch is not None and not math.isinf(cfg.epochs):
         limits.append(steps_per_epoch * int(cfg.epochs))
-    if not limits and cfg.lr_schedule != "constant":
+    return min(limits) if limits else None
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, cfg: RunConfig, steps_per_epoch: int | None,
+                   make: SchedulerFactory | None = None) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The run's learning-rate schedule (None: a constant rate, nothing to step): the task's
+    ``make``, else --lr-schedule's. Its length is the run's in optimizer steps (``run_steps``); a
+    stream's epoch has no known length, so a decaying schedule over epochs of a stream is refused."""
+    total = run_steps(cfg, steps_per_epoch)
+    if make is not None:
+        if cfg.lr_schedule != "constant" or cfg.warmup_steps or cfg.min_lr:
+            raise ConfigError("the task builds its own schedule (Task.make_scheduler); drop --lr-schedule, "
+                              "--warmup-steps and --min-lr, or the task's make_scheduler")
+        if total is None:
+            raise ConfigError("Task.make_scheduler needs the run's length, and an iterable training set's epoch "
+                              "has no known length; give --max-steps")
+        return make(optimizer, total)
+    if cfg.lr_schedule == "constant" and cfg.warmup_steps == 0:
+        return None
+    if total is None and cfg.lr_schedule != "constant":
         raise ConfigError(f"--lr-schedule {cfg.lr_schedule} needs the run's length, and an iterable "
                           "training set's epoch has no known length; give --max-steps")
-    return build_scheduler(optimizer, cfg, min(limits) if limits else 1)
+    return build_scheduler(optimizer, cfg, total or 1)
+
+
+def describe_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
+    """What was built, for config.json: the optimizer's class and every parameter group's
+    hyper-parameters (the tensors counted, not listed), and the schedule's class."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, (tuple, list)):
+            return [plain(v) for v in value]
+        if isinstance(value, torch.Tensor):
+            return value.item() if value.numel() == 1 else f"tensor{tuple(value.shape)}"
+        return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+
+    groups = [{"params": len(group["params"]), "parameters": sum(p.numel() for p in group["params"]),
+               **{k: plain(v) for k, v in group.items() if k not in ("params", "initial_lr")},
+               **({"lr": plain(group["initial_lr"])} if "initial_lr" in group else {})}  # (a schedule's base)
+              for group in optimizer.param_groups]
+    return {"optimizer": {"class": type(optimizer).__name__, "param_groups": groups},
+            "scheduler": None if scheduler is None else {"class": type(scheduler).__name__}}
 
 
 class SchedulerState:

@@ -123,12 +123,15 @@ class Cadence:
         """Whether the run has reached its end: --max-epochs, --max-steps or --early-stop, the first."""
         return self.progress.epoch >= self.max_epochs or self.steps_reached() or self.stopped_early()
 
+    def final_evaluation(self, epoch: int, partial: bool) -> bool:
+        """Whether an evaluation at the end of ``epoch`` is the run's last."""
+        return partial or epoch + 1 >= self.max_epochs or self.steps_reached()
+
     def evaluate_at_epoch_end(self, epoch: int, partial: bool) -> bool:
         """Every --eval-every epochs, and always at the run's end (a partial epoch is one)."""
         if not self.evaluates:
             return False
-        final = partial or epoch + 1 >= self.max_epochs or self.steps_reached()
-        return final or (self.eval_every > 0 and (epoch + 1) % self.eval_every == 0)
+        return self.final_evaluation(epoch, partial) or (self.eval_every > 0 and (epoch + 1) % self.eval_every == 0)
 
 
 def best_interval_s(job_mttf_s: float, snapshot_s: float, write_s: float = 0.0) -> float:

@@ -16,7 +16,7 @@ from typing import Any
 
 import tomllib
 
-from .config import FIELDS, RunConfig, flag
+from .config import BUILT, FIELDS, RunConfig, nearest_flag
 from .errors import ConfigError
 
 
@@ -70,8 +70,8 @@ def from_options(options: Mapping[str, Any], where: str = "option") -> RunConfig
     for key, value in options.items():
         name = setting_name(key)
         if name not in FIELDS:
-            close = [flag(n) for n in FIELDS if n.startswith(name[:4])][:3]
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            close = nearest_flag(name)
+            hint = f" (did you mean {close}?)" if close else ""
             raise ConfigError(f"{where} {key!r} is not a ddptrain setting{hint}; "
                               "`ddptrain train --help` lists them")
         if name in spelled:
@@ -100,6 +100,8 @@ def read_settings_file(path: str | os.PathLike[str]) -> dict[str, Any]:
                           f"({str(error).splitlines()[0]})") from None
     if not isinstance(settings, dict):
         raise ConfigError(f"--config {path}: expected a table of settings")
+    if path.suffix == ".json":  # a run's config.json: what it built is a record, not a setting
+        settings.pop(BUILT, None)
     nested = [k for k, v in settings.items() if isinstance(v, dict)]
     if nested:
         raise ConfigError(f"--config {path}: [{nested[0]}] is a table; ddptrain settings are "

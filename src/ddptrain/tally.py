@@ -19,12 +19,13 @@ from .observe.metrics import (
     EpochLosses,
     GradNorms,
     RankTimings,
+    StepWindow,
     memory_record,
     model_state_mb,
     peak_rss_mb,
     timing_record,
 )
-from .observe.throughput import FlopCount, throughput_record
+from .observe.throughput import FlopCount, TrainingClock, throughput_record
 from .parallel.averaging import WeightAverage
 from .progress import Progress
 from .resilience.guard import NonFiniteGuard, local_all_finite
@@ -50,6 +51,9 @@ class EpochTally:
     newest_snapshot: Callable[[], str | None]
     tokens_per_sample: int | None
     peak_tflops: float | None
+    window: StepWindow  # the steps since the last step record (--log-every)
+    clock: TrainingClock  # training time alone: rates leave evaluations and snapshots out
+    window_began: float = 0.0  # the clock when the window's first step of this process began
     first_step_at: float | None = None  # wall clock of the first step (start-up benchmarks)
     first_step_reported: bool = False
 
@@ -59,23 +63,54 @@ class EpochTally:
             self.guard.skip(self.progress.global_step)
         else:
             self.losses.add(loss)
+        self.window.add(loss, self.grad_norms.last())
         self.first_step_at = self.first_step_at or time.time()
 
+    def start_window(self) -> None:
+        """Training (re)starts here: the step record's time counts from now."""
+        self.window_began = self.clock.now()
+
+    def step_record(self) -> dict[str, Any]:
+        """The step record of --log-every: the mean loss and gradient norm of the steps since the
+        last one, summed over the ranks in one all-reduce (with the job's FLOPs per step), the rate,
+        and this process's training-only throughput over them. Every rank calls it."""
+        now = self.clock.now()
+        seconds, samples, steps = now - self.window_began, self.window.samples, self.window.steps
+        reduced = sum_over_ranks({"window": self.window.local_rows(),
+                                  "flops": torch.tensor([float(self.flops.per_step or 0)])},
+                                 self.ctx.watchdog, "summing the logged steps' loss over the ranks",
+                                 self.progress.global_step)
+        self.window_began = now
+        record: dict[str, Any] = {
+            "kind": "step", "epoch": self.progress.epoch, "step": self.progress.global_step,
+            **self.window.figures(reduced["window"]), "lr": self.optimizer.param_groups[0]["lr"],
+            "samples_per_s": round(samples / seconds, 1) if seconds > 0 else None,
+            **throughput_record(samples, seconds, steps, float(reduced["flops"][0]), self.tokens_per_sample,
+                                self.peak_tflops, self.ctx.world_size),
+            "time": round(time.time(), 3),
+        }
+        return record
+
     def before_snapshot(self) -> None:
-        """The epoch's loss and gradient norms so far, summed over the ranks: a resume mid-epoch
-        writes the same record. The guard checks first: nothing non-finite is saved."""
+        """The epoch's (and the step window's) loss and gradient norms so far, summed over the
+        ranks: a resume mid-epoch writes the same records. The guard checks first: nothing
+        non-finite is saved."""
         reduced = self.reduce()
         self.losses.note_reduced(float(reduced["loss_total"]), int(reduced["loss_steps"]))
         self.grad_norms.figures(reduced["grad_squares"])  # (kept for the snapshot)
 
-    def epoch_record(self, epoch: int, since: tuple[float, int, int], samples: int,
+    def epoch_began(self) -> tuple[float, float, int, int]:
+        """Where this process began the epoch: the wall clock, the training clock, the step and the samples."""
+        return time.perf_counter(), self.clock.now(), self.progress.step_in_epoch, self.progress.epoch_samples
+
+    def epoch_record(self, epoch: int, since: tuple[float, float, int, int], samples: int,
                      partial: str | None = None, **also: Any) -> dict[str, Any]:
         """The epoch's record (``samples``: trained in the epoch over every rank; the rates: this
-        process's, since ``since``, the clock, step and samples when this process began the
-        epoch). ``partial``: the limit that ends the run inside the epoch. ``also``: the
+        process's training alone, evaluations and snapshots left out, since ``since``, from
+        ``epoch_began``). ``partial``: the limit that ends the run inside the epoch. ``also``: the
         caller's figures (torchft's skipped samples), placed before the skipped steps."""
-        seconds = time.perf_counter() - since[0]
-        steps, trained = self.progress.step_in_epoch - since[1], self.progress.epoch_samples - since[2]
+        wall, seconds = time.perf_counter() - since[0], self.clock.now() - since[1]
+        steps, trained = self.progress.step_in_epoch - since[2], self.progress.epoch_samples - since[3]
         reduced = self.reduce(with_figures=True)
         loss_steps = int(reduced["loss_steps"])
         per_rank = reduced["figures"].tolist()  # each rank's row: 3 timings, 2 memory figures, FLOPs per step
@@ -85,7 +120,7 @@ class EpochTally:
             "train_loss": float(reduced["loss_total"]) / loss_steps if loss_steps else float("nan"),
             "lr": self.optimizer.param_groups[0]["lr"], **self.grad_norms.figures(reduced["grad_squares"]),
             "samples_per_s": round(trained / seconds, 1) if seconds > 0 else None,
-            "epoch_time_s": round(seconds, 3), "samples": samples, "time": round(time.time(), 3),
+            "epoch_time_s": round(wall, 3), "samples": samples, "time": round(time.time(), 3),
             **throughput_record(trained, seconds, steps, job_flops, self.tokens_per_sample, self.peak_tflops,
                                 self.ctx.world_size),
             **timing_record([row[:3] for row in per_rank]),
@@ -126,7 +161,9 @@ class EpochTally:
             "loss_steps": torch.tensor(self.losses.local_steps() if self.ctx.is_main else 0),
             "bad_weights": ~local_all_finite(self.params),  # ranks whose weights are not finite
             "first_bad_step": first_bad_step, "figures": figures, "grad_squares": self.grad_norms.local_squares(),
+            "window": self.window.local_rows(),
         }, self.ctx.watchdog, "summing the loss over the ranks", self.progress.global_step)
+        self.window.fold(reduced["window"])  # (a snapshot holds the step window's figures so far)
         self.guard.check([int(s) for s in reduced["first_bad_step"].tolist()], int(reduced["bad_weights"]) == 0,
                          self.progress.global_step, self.progress.epoch, self.newest_snapshot())
         return reduced

@@ -12,6 +12,7 @@ when a snapshot is written and how a run resumes (snapshots/checkpointer.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -21,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from .comm import DistContext, apply_step_timeout
-from .config import RunConfig
+from .config import OPTIMIZER_SETTINGS, RunConfig, unset_settings
 from .console import say
-from .data import EvalBatches, MicroBatch, StreamBatches, is_stream, training_batches
+from .data import EvalBatches, MicroBatch, StreamBatches, eval_subset, is_stream, training_batches
 from .errors import ConfigError
 from .evaluations import Evaluations
 from .final_models import write_final_models
@@ -32,12 +33,13 @@ from .observe.metrics import (
     EpochLosses,
     GradNorms,
     RankTimings,
+    StepWindow,
     return_free_memory,
 )
 from .observe.ray_train import RayReports
 from .observe.report import NullReporter, Reporter
-from .observe.throughput import FlopCount, StepProfiler, device_peak_tflops
-from .optim import ScalerState, SchedulerState, build_optimizer, build_schedule
+from .observe.throughput import FlopCount, StepProfiler, TrainingClock, device_peak_tflops
+from .optim import ScalerState, SchedulerState, build_optimizer, build_schedule, describe_optimizer, run_steps
 from .parallel import make_strategy
 from .parallel.averaging import WeightAverage
 from .parallel.base import ModelAndOptimizer, convert_sync_batchnorm
@@ -67,6 +69,10 @@ class Trainer:
     def __init__(self, task: Task, cfg: RunConfig, ctx: DistContext) -> None:
         check_task(task, cfg.task)
         self.task, self.ctx, self.device = task, ctx, ctx.device
+        # config.json: the optimizer's settings left unset (by the user and the task's defaults) are null
+        # where the task builds its own optimizer
+        self.unused = tuple(name for name in unset_settings(cfg, OPTIMIZER_SETTINGS)
+                            if name not in task.defaults) if task.make_optimizer else ()
         self.cfg = cfg.with_task_defaults(task.defaults).with_run_dir()  # lr, optimizer, ... the user left unset
         self.home = RunDir.of(self.cfg.run_dir)
         self.run_dir = self.home.local  # a run dir on a store: this machine's mirror of it
@@ -76,7 +82,8 @@ class Trainer:
                          else NullReporter(self.cfg, self.run_dir))
         self._choose_start()
         self._build_loop()
-        schedule = build_schedule(self.optimizer, self.cfg, self.steps_per_epoch)
+        schedule = build_schedule(self.optimizer, self.cfg, self.steps_per_epoch, task.make_scheduler)
+        self.built = describe_optimizer(self.optimizer, schedule)  # config.json: what really trains
         self._build_checkpointer(schedule)
         self._build_measures()
         self._build_step(schedule)
@@ -135,19 +142,26 @@ class Trainer:
                               "shares cannot move between replica groups); drop one of them")
         # (--fault-tolerance torchft: the data is shared over every replica group's ranks)
         self.batches = training_batches(task.train_set, cfg, data_context(cfg, ctx), task.collate_fn, self.cpu_group)
-        eval_batches = None if task.eval_set is None else EvalBatches(
-            task.eval_set, cfg.batch_size, ctx.rank, ctx.world_size, self.device, cfg.workers, task.collate_fn,
-            equal_counts=self.strategy.forward_syncs)
+        def eval_batches(dataset: Any) -> EvalBatches:
+            return EvalBatches(dataset, cfg.batch_size, ctx.rank, ctx.world_size, self.device, cfg.workers,
+                               task.collate_fn, equal_counts=self.strategy.forward_syncs)
+
+        evaluated, whole = task.eval_set, None  # --eval-batches: a subset, and the whole set for the last one
+        if evaluated is not None and cfg.eval_batches:
+            evaluated = eval_subset(evaluated, cfg.eval_batches * cfg.batch_size, cfg.seed)
+            if evaluated is not task.eval_set and cfg.final_eval == "full":
+                whole = lambda: eval_batches(task.eval_set)  # noqa: E731
         self.steps_per_epoch = self.batches.steps_per_epoch  # None: a stream's epoch ends when it does
         self.progress = Progress(steps_per_epoch=self.steps_per_epoch)
         self.losses = EpochLosses(self.device, self.steps_per_epoch or 64, carries=ctx.is_main)
         self.grad_norms = GradNorms(self.device, self.steps_per_epoch or 64, carries=ctx.is_main,
                                     counts=self.strategy.counts_gradients)
+        self.window = StepWindow(self.device, cfg.log_interval(run_steps(cfg, self.steps_per_epoch)))
         self.guard = NonFiniteGuard(cfg.skip_nonfinite)
         self.evaluations = Evaluations(
             task=task, ctx=ctx, strategy=self.strategy, module=self.module, model=self.model, average=self.average,
-            batches=eval_batches, best=self.best, run_dir=self.run_dir, uploads=self.uploads,
-            share_buffers=self._share_buffers)
+            batches=None if evaluated is None else eval_batches(evaluated), whole=whole, best=self.best,
+            run_dir=self.run_dir, uploads=self.uploads, share_buffers=self._share_buffers)
         self.cadence = self._cadence()  # what is due after each step
 
     def _build_checkpointer(self, schedule: Any) -> None:
@@ -168,7 +182,7 @@ class Trainer:
             weights=self.weights,
             states={"scheduler": SchedulerState(schedule), "scaler": ScalerState(self.scaler),
                     # one table in the snapshot format: where the run is, the epoch's loss so far, skips
-                    "progress": OneTable(self.progress, self.losses, self.grad_norms, self.guard,
+                    "progress": OneTable(self.progress, self.losses, self.grad_norms, self.window, self.guard,
                                          *[part for part in (self.best, self.replicas) if part is not None]),
                     **({"semi_sync": self.semi_sync} if self.semi_sync is not None else {})},
             per_rank={**({"data": self.batches} if isinstance(self.batches, StreamBatches) else {}),
@@ -183,6 +197,7 @@ class Trainer:
         """Timings, FLOPs, the profiler, the epoch's tally (tally.py) and the first step's one-time checks."""
         self.timings = RankTimings(self.params)
         self.flops = FlopCount()  # this rank's FLOPs per step, counted on the first step
+        self.clock = TrainingClock()  # rates count training alone (evaluations and snapshots are aside)
         self.profiler = StepProfiler(self.cfg.profile, self.run_dir, self.ctx.rank, self.device)
         if self.strategy.forward_syncs:  # the forward's own collective ends where the inner forward begins
             self.module.register_forward_pre_hook(lambda *_: self.watchdog.depart())
@@ -191,7 +206,7 @@ class Trainer:
             timings=self.timings, flops=self.flops, guard=self.guard, params=self.params,
             optimizer=self.optimizer, average=self.average, newest_snapshot=self.checkpointer.newest_path,
             tokens_per_sample=self.task.tokens_per_sample,
-            peak_tflops=self.cfg.peak_tflops or device_peak_tflops(self.device))
+            peak_tflops=self.cfg.peak_tflops or device_peak_tflops(self.device), window=self.window, clock=self.clock)
 
     def _build_step(self, schedule: Any) -> None:
         """The optimizer step (step.py): what it reads and changes (the schedule is its alone
@@ -244,7 +259,8 @@ class Trainer:
         if max_epochs is not None and max_epochs != self.cfg.epochs:
             self.cfg = dataclasses.replace(self.cfg, max_epochs=max_epochs)
             self.cadence = self._cadence()
-            self.step.scheduler = build_schedule(self.optimizer, self.cfg, self.steps_per_epoch)
+            self.step.scheduler = build_schedule(self.optimizer, self.cfg, self.steps_per_epoch,
+                                                 self.task.make_scheduler)
             self.checkpointer.retarget(self.cfg, SchedulerState(self.step.scheduler))
         return self.fit()
 
@@ -262,7 +278,7 @@ class Trainer:
                 self.progress.global_step, self.cadence.last_step(self.steps_per_epoch or 0)):
             return "ended_elsewhere"
         resumed_at = None if self.start is None else (self.progress.global_step, self.progress.epoch)
-        self.reporter.begin(self.cfg, resumed_at, self.ctx.world_size)
+        self.reporter.begin(self.cfg, resumed_at, self.ctx.world_size, built=self.built, unused=self.unused)
         if self.ctx.rank == 0 and self.cfg.keep > 0:
             low = space_warning(self.run_dir, snapshot_estimate(self.module, self.optimizer, self.average is not None),
                                 self.cfg.keep)
@@ -273,8 +289,9 @@ class Trainer:
                                f"{self.device.type}/{self.ctx.backend}, global batch {self.global_batch}, "
                                f"{self.steps_per_epoch or 'as many as the stream gives'} steps per epoch")
         if self.cfg.epochs == 0:  # the initial model's evaluation, before epoch 0
-            self.reporter.log(self._evaluation(0))
+            self.reporter.log(self._evaluation(0, final=True))
         self.groups.start(self.progress.global_step)  # torchft's --sync groups meet (a restarted one heals)
+        self.tally.start_window()
         while not self.cadence.done():
             try:
                 ended_by = self._run_epoch(self.progress.epoch)
@@ -307,7 +324,7 @@ class Trainer:
         if self.cfg.log_ranks:  # the tutorial's per-rank line (Steps: optimizer steps)
             say(f"{self.ctx.tag} Epoch:{epoch}|Batchsize:{self.cfg.batch_size}|Steps:{self.steps_per_epoch or '?'}")
         self.reporter.epoch_started(epoch, self.steps_per_epoch, self.progress.step_in_epoch)
-        since = (time.perf_counter(), self.progress.step_in_epoch, self.progress.epoch_samples)
+        since = self.tally.epoch_began()
         action, steps = Action(), self.batches.steps()
         while not action.leaves_epoch and self._train_step(steps):
             action = self.cadence.after_step(*self.stop_signal.check())
@@ -351,9 +368,12 @@ class Trainer:
             self.reporter.waited(time.perf_counter() - stepping)
         self.progress.step_done(step_samples)
         self.tally.step_done(loss)
+        self.window.trained(step_samples)
         # (--sync local-sgd|diloco: the groups meet inside the step they end, as a profile shows it)
         synced = self.groups.after_step(self.progress.global_step, step_samples)
-        self.profiler.step_done()
+        if self.window.due(self.progress.global_step):  # --log-every: every rank takes part
+            self.reporter.log_step(self.tally.step_record())
+        self.profiler.step_done()  # (a profile shows the step record's all-reduce in the step it logs)
         shown = loss is not None and self.progress.global_step % LOSS_DISPLAY_EVERY == 0
         self.reporter.step_done(self.progress.global_step,  # the loss shown: rank 0's mean
                                loss * self.ctx.world_size if shown and loss is not None else None)
@@ -367,15 +387,15 @@ class Trainer:
         share_buffers(self.strategy, self.module, self.watchdog, self.progress.global_step)
 
     # --- epoch ends, evaluation, the end -------------------------------------------------------
-    def _end_epoch(self, epoch: int, since: tuple[float, int, int], partial: str | None = None) -> None:
+    def _end_epoch(self, epoch: int, since: tuple[float, float, int, int], partial: str | None = None) -> None:
         """The epoch's record (tally.py), with its evaluation when one is due. ``partial``: the
         limit that ends the run inside the epoch, which stays where it is."""
         also = {} if self.replicas is None else {"samples_skipped": self.replicas.samples_skipped}  # torchft's
         record = self.tally.epoch_record(epoch, since, self._epoch_samples(partial is not None), partial, **also)
         if self.cadence.evaluate_at_epoch_end(epoch, partial is not None):
             self.groups.now(self.progress.global_step)
-            with self.reporter.timed("eval", self.progress.global_step):
-                self.evaluations.add_to(record)
+            with self._aside("eval"):
+                self.evaluations.add_to(record, final=self.cadence.final_evaluation(epoch, partial is not None))
         self.reporter.log(record)
         if partial is None:
             self.tally.next_epoch()
@@ -387,13 +407,20 @@ class Trainer:
             return self.progress.epoch_samples
         return self.batches.epoch_samples  # type: ignore[union-attr]  # map-style here: TrainBatches
 
-    def _evaluation(self, epoch: int) -> dict[str, Any]:
-        """An evaluation record of its own (at the start, or every --eval-every-steps), judged."""
+    def _evaluation(self, epoch: int, final: bool = False) -> dict[str, Any]:
+        """An evaluation record of its own (at the start, or every --eval-every-steps), judged.
+        ``final``: the run's last (--max-epochs 0's), over the whole set unless --final-eval same."""
         record = {"kind": "eval", "epoch": epoch, "step": self.progress.global_step}
         self.groups.now(self.progress.global_step)
-        with self.reporter.timed("eval", self.progress.global_step):
-            self.evaluations.add_to(record)
+        with self._aside("eval"):
+            self.evaluations.add_to(record, final=final)
         return record
+
+    @contextlib.contextmanager
+    def _aside(self, kind: str) -> Iterator[None]:
+        """An evaluation's or a snapshot's time: the timeline's (goodput), and out of the rates."""
+        with self.clock.aside(), self.reporter.timed(kind, self.progress.global_step):
+            yield
 
     def _save(self, last: bool = False) -> None:
         """A snapshot after the current step, if the checkpointer wants one (every rank calls
@@ -403,7 +430,7 @@ class Trainer:
             return
         if self.groups.snapshot_waits(self.progress.global_step, last):  # --sync: the groups' weights differ
             return
-        with self.reporter.timed("snapshot", self.progress.global_step):
+        with self._aside("snapshot"):
             self.tally.before_snapshot()
             self._share_buffers()
             self.checkpointer.save(self.progress.global_step, last=last)

@@ -321,6 +321,7 @@ def alive(pid: int) -> bool:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl's training records: its last line, a finished run's goodput record, is
-    test_goodput.py's."""
-    return [r for r in report.read_metrics(run_dir) if r.get("kind") != "goodput"]
+    """metrics.jsonl's epoch and evaluation records: its last line, a finished run's goodput
+    record, is test_goodput.py's, and the step records of --log-every are test_watching.py's
+    (``ddptrain.observe.report.read_metrics`` reads every line)."""
+    return [r for r in report.read_metrics(run_dir) if r.get("kind") not in ("goodput", "step")]

@@ -21,7 +21,9 @@ What a hand-written loop pays per optimizer step of K micro-batches:
   on a 2x2 and a 2x1 ``init_device_mesh``, spawned, profiled the same way.)
 ddptrain's extras (README "What a step costs"): an iterable training set adds one all-reduce
 of 1 number (the step's sample count, overlapped with the backward); ``--skip-nonfinite`` one
-all-reduce of 1 number (every rank's verdict).
+all-reduce of 1 number (every rank's verdict); a step record (``--log-every N``) one all-reduce
+of 3N + 1 numbers at its step alone (each step's loss, gradient norm and whether it was
+skipped; the FLOPs per step).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from helpers.costs import collectives_per_step, step_seconds
 
 TASKS = "ddptrain_test_tasks:"
 STOP_AGREEMENT = "all_reduce[3]"
+STEP_RECORD = "all_reduce[16]"  # --log-every 5: the 5 steps' losses, gradient norms and whether skipped, and the FLOPs
 GRADIENTS_DDP = {"all_reduce[21]": 1}  # one bucket of the 21 parameters
 HSDP = {"strategy": "hsdp", "replicas": 2}
 
@@ -63,10 +66,11 @@ CASES = {  # id: (fit's options, the collectives of one step)
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_step_starts_the_collectives_a_hand_written_loop_does_and_no_more(tmp_path, case):
     options, per_step = CASES[case]
-    options = {"task": "regression", "batch_size": 8, "max_steps": 9, "profile": 7, **options}
+    options = {"task": "regression", "batch_size": 8, "max_steps": 9, "profile": 7, "log_every": 5, **options}
     fit(options.pop("task"), tmp_path, env={"STREAM_SAMPLES": "4000"}, **options)
     steady = collectives_per_step(tmp_path)[2:]  # steps 4 to 8
     assert len(steady) == 5
+    assert [step.pop(STEP_RECORD, 0) for step in steady] == [0, 1, 0, 0, 0]  # step 5's record, nowhere else
     stops = sum(step.pop(STOP_AGREEMENT, 0) for step in steady)
     # The agreement is spaced by the steps' measured speed (CHECK_SECONDS of steps, measured over
     # the interval before): once in 5 steps at this job's milliseconds a step; on a machine so

@@ -147,8 +147,11 @@ def test_wandb_offline_run_holds_every_epoch(digits_run):
             history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                             for item in record.history.item})
     keys = ("step", "train_loss", "eval_accuracy", "lr")
-    assert [(h["_step"], h["train_loss"], h["eval_accuracy"], h["lr"]) for h in history] == _epochs(digits_run, *keys)
-    assert all("memory_mb/peak_rss_mb/max" in h and "samples_per_s" in h for h in history)
+    epochs = [h for h in history if "train_loss" in h]  # (the step records' are step/train_loss, ...)
+    assert [(h["_step"], h["train_loss"], h["eval_accuracy"], h["lr"]) for h in epochs] == _epochs(digits_run, *keys)
+    assert all("memory_mb/peak_rss_mb/max" in h and "samples_per_s" in h for h in epochs)
+    steps = [h for h in history if "step/train_loss" in h]
+    assert [h["_step"] for h in steps] == [10, 20, 30, 40, 50, 60] and all("step/lr" in h for h in steps)
     files = run_file.parent / "files"
     assert json.loads((files / "config.json").read_text()) == json.loads((digits_run / "config.json").read_text())
 
@@ -159,8 +162,9 @@ def test_csv_has_a_row_per_epoch_and_a_column_per_metric(digits_run):
 
     with open(digits_run / "metrics.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
-    assert [(int(r["step"]), float(r["train_loss"]), float(r["eval_accuracy"])) for r in rows] == _epochs(
-        digits_run, "step", "train_loss", "eval_accuracy")
+    assert [(int(r["step"]), float(r["train_loss"]), float(r["eval_accuracy"])) for r in rows if r["train_loss"]] \
+        == _epochs(digits_run, "step", "train_loss", "eval_accuracy")
+    assert [int(r["step"]) for r in rows if r["step/train_loss"]] == [10, 20, 30, 40, 50, 60]
     assert {"data_s/max", "memory_mb/model_state_mb/max", "epoch_time_s"} <= set(rows[0])
 
 
@@ -263,8 +267,8 @@ def _tally_an_epoch(rank, world):
 
     from ddptrain.comm import DistContext
     from ddptrain.errors import NonFiniteError
-    from ddptrain.observe.metrics import EpochLosses, GradNorms, RankTimings
-    from ddptrain.observe.throughput import FlopCount
+    from ddptrain.observe.metrics import EpochLosses, GradNorms, RankTimings, StepWindow
+    from ddptrain.observe.throughput import FlopCount, TrainingClock
     from ddptrain.progress import Progress
     from ddptrain.resilience.guard import NonFiniteGuard
     from ddptrain.tally import EpochTally
@@ -278,8 +282,8 @@ def _tally_an_epoch(rank, world):
         grad_norms=GradNorms(ctx.device, 4, counts=True, carries=rank == 0), timings=RankTimings(params),
         flops=FlopCount(), guard=NonFiniteGuard(1), params=params,
         optimizer=torch.optim.SGD(params, lr=0.5), average=None, newest_snapshot=lambda: "snapshots/step_00000003.pt",
-        tokens_per_sample=None, peak_tflops=None)
-    since = (time.perf_counter(), 0, 0)
+        tokens_per_sample=None, peak_tflops=None, window=StepWindow(ctx.device, 0), clock=TrainingClock())
+    since = tally.epoch_began()
     for part in (1.0, None, 3.0, 5.0):
         progress.step_done(8)
         tally.step_done(None if part is None else torch.tensor(part * (rank + 1)))
@@ -287,7 +291,8 @@ def _tally_an_epoch(rank, world):
     tally.next_epoch()
     progress.step_done(8)
     tally.step_done(torch.tensor(1.0))
-    records.append(tally.epoch_record(1, (time.perf_counter(), 4, 0), samples=8, partial="--max-steps"))
+    since = (time.perf_counter(), tally.clock.now(), 4, 0)
+    records.append(tally.epoch_record(1, since, samples=8, partial="--max-steps"))
     with torch.no_grad():
         params[0][0, 0] = math.nan if rank == 1 else params[0][0, 0]
     try:

@@ -40,11 +40,14 @@ from .jobs import JOBS, Job, final_loss
 # switch for it).
 # ddptrain-no-fr (asked for by name only): ddptrain with torch's Flight Recorder off, which ddptrain
 # turns on to name the collectives of a hang (resilience/flight.py): ddptrain's ratio to it is that cost.
+# ddptrain-no-log (by name too): ddptrain without step records (--log-every 0): ddptrain's ratio to it
+# is what the default step records cost (an all-reduce and a line every 10 steps).
 BASE = ("loop", "loop-grad-norm", "ddptrain", "ddptrain-skip", "ddptrain-ema")
 PEERS = ("lightning", "accelerate")
-PER_STEP = {"ddptrain-skip": ["--skip-nonfinite", "1"], "ddptrain-ema": ["--ema", "0.999"]}
+PER_STEP = {"ddptrain-skip": ["--skip-nonfinite", "1"], "ddptrain-ema": ["--ema", "0.999"],
+            "ddptrain-no-log": ["--log-every", "0"]}
 CONTENDER_ENV = {"ddptrain-no-fr": {"TORCH_FR_BUFFER_SIZE": "0"}}
-BY_NAME = tuple(CONTENDER_ENV)
+BY_NAME = (*CONTENDER_ENV, "ddptrain-no-log")
 SMALL_ONLY = (*PER_STEP, *BY_NAME, "loop-grad-norm")  # the contenders that run on SKIP_JOBS only
 SKIP_JOBS = ("tutorial", "mlp")  # the jobs the per-step variants run on
 DEFAULT_EPOCHS = {"tutorial": 60, "mlp": 3, "gpt2": 10, "fsdp": 2}  # E: the longer command's extra epochs
@@ -253,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                         "'ddptrain[bench]')")
     parser.add_argument("--contenders", default=None, help="comma-separated subset of loop, loop-grad-norm, "
                         "ddptrain, ddptrain-skip, ddptrain-ema (and lightning, accelerate with --peers; "
-                        "ddptrain-no-fr, by name only); default: all but ddptrain-no-fr")
+                        "ddptrain-no-fr and ddptrain-no-log, by name only); default: all but those two")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every contender trains: "
                         "cuda is one GPU per rank and nccl (default cpu, gloo)")
     parser.add_argument("--smoke", action="store_true", help="tiny data, 1-epoch commands only: checks the plumbing")

@@ -12,11 +12,11 @@
 docs/data.md says which to use when.
 """
 
-from .batches import EvalBatches, TrainBatches, to_device
+from .batches import EvalBatches, TrainBatches, eval_subset, to_device
 from .sampling import MicroBatch, StepSampler
 from .streams import StreamBatches, is_stream
 from .token_file import TokenFile
 from .training import training_batches
 
-__all__ = ["EvalBatches", "MicroBatch", "StepSampler", "StreamBatches", "TokenFile", "TrainBatches", "is_stream",
-           "to_device", "training_batches"]
+__all__ = ["EvalBatches", "MicroBatch", "StepSampler", "StreamBatches", "TokenFile", "TrainBatches", "eval_subset",
+           "is_stream", "to_device", "training_batches"]

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset, default_collate
 
 from .sampling import MicroBatch, StepSampler
 from .workers import settle_before_fork
@@ -218,6 +218,19 @@ class _ShardBatches(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self.shard)
+
+
+def eval_subset(dataset: Dataset, samples: int, seed: int) -> Dataset:
+    """--eval-batches: ``samples`` of the evaluation set drawn once from ``seed`` (in the set's
+    order), the same whatever the world size, so figures compare across the run and across jobs;
+    a TensorDataset stays one (the fast path)."""
+    size = len(dataset)  # type: ignore[arg-type]  # map-style: checked by check_task
+    if samples >= size:
+        return dataset
+    chosen = torch.randperm(size, generator=torch.Generator().manual_seed(seed))[:samples].sort().values
+    if isinstance(dataset, TensorDataset):
+        return TensorDataset(*(tensor[chosen] for tensor in dataset.tensors))
+    return Subset(dataset, chosen.tolist())
 
 
 class EvalBatches(_Batches):

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import RunConfig
+from ..config import BUILT, RunConfig
 from ..console import say
 from .goodput import Timeline, goodput_figures
 from .tracking import Tracking
@@ -62,13 +62,16 @@ class Reporter:
         self.tracking: Tracking | None = None
         self.timeline = Timeline(self.run_dir)  # goodput.py: begun by rank 0's begin() alone
 
-    def begin(self, cfg: RunConfig, resumed_at: tuple[int, int] | None, world_size: int = 1) -> None:
-        """The run's settings as really used (config.json); on resume at ``(global step,
-        epoch)``, forget metrics logged after the snapshot (those steps run again and log again).
-        The attempt's timeline begins: what follows is training (goodput.py)."""
+    def begin(self, cfg: RunConfig, resumed_at: tuple[int, int] | None, world_size: int = 1,
+              built: dict[str, Any] | None = None, unused: tuple[str, ...] = ()) -> None:
+        """The run's settings as really used (config.json, with ``built``: the optimizer and schedule
+        as built; ``unused``: settings null there, the optimizer's that the user left unset where the
+        task built its own); on resume at ``(global step, epoch)``, forget metrics logged after the snapshot
+        (those steps run again and log again). The attempt's timeline begins: what follows is
+        training (goodput.py)."""
         self.cfg = cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(cfg.to_json() + "\n")
+        (self.run_dir / "config.json").write_text(config_json(cfg, built, unused))
         kept: list[dict[str, Any]] = []
         if resumed_at is not None:
             kept = [r for r in read_metrics(self.run_dir) if kept_on_resume(r, *resumed_at)]
@@ -79,7 +82,8 @@ class Reporter:
             from .trackers import make_trackers
 
             self.tracking = Tracking(make_trackers(cfg), self.run_dir)
-            self.tracking.begin(json.loads(cfg.to_json()), kept)  # what a tracker lacks of them, first
+            settings = json.loads((self.run_dir / "config.json").read_text())
+            self.tracking.begin(settings, kept)  # what a tracker lacks of them, first
 
     def catch_up(self) -> None:
         """A finished run found again (the same command): each tracker gets what it lacks of the
@@ -132,6 +136,15 @@ class Reporter:
             self.bar = None
 
     # --- records -------------------------------------------------------------------------------
+    def log_step(self, record: dict[str, Any]) -> None:
+        """A step record (--log-every): metrics.jsonl, the trackers, and the console's line where
+        no progress bar shows the loss."""
+        self._record(record)
+        if self.bar is None:
+            self.info(console_line(record))
+        else:
+            self.bar.set_postfix(loss=f"{record['train_loss']:.4g}", refresh=False)
+
     def log(self, record: dict[str, Any]) -> None:
         """One line of metrics.jsonl, a console line, and the trackers' copies (queued)."""
         if record.get("straggler_wait_s"):
@@ -197,7 +210,8 @@ class NullReporter(Reporter):
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
         super().__init__(cfg, run_dir)
 
-    def begin(self, cfg: RunConfig, resumed_at: tuple[int, int] | None, world_size: int = 1) -> None:
+    def begin(self, cfg: RunConfig, resumed_at: tuple[int, int] | None, world_size: int = 1,
+              built: dict[str, Any] | None = None, unused: tuple[str, ...] = ()) -> None:
         self.cfg = cfg
 
     def info(self, message: str) -> None:
@@ -207,6 +221,9 @@ class NullReporter(Reporter):
         pass
 
     def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def log_step(self, record: dict[str, Any]) -> None:
         pass
 
     def finish(self, step: int) -> None:
@@ -226,14 +243,18 @@ EVALUATED = ("eval_", "ema_eval_")  # an evaluation's figures: of the weights, a
 
 
 def console_line(record: dict[str, Any]) -> str:
-    """``epoch 3 | step 128 | train_loss 1.962 | lr 0.001 | 13,930 samples/s | 0.15 s``."""
+    """``epoch 3 | step 128 | train_loss 1.962 | lr 0.001 | 13,930 samples/s | 0.15 s``; a step
+    record's (--log-every) leads with its step: ``step 130 | epoch 4 | train_loss 1.95 | ...``."""
     first = "before training" if record.get("kind") == "eval" and not record["step"] else f"epoch {record['epoch']}"
     if record.get("partial"):
         first += f" (partial: {record.get('ended_by', '--max-steps')})"
-    parts = [first, f"step {record['step']}"]
+    parts = [f"step {record['step']}", first] if record.get("kind") == "step" else [first, f"step {record['step']}"]
+    shown = ("train_loss", "lr", "grad_norm") if record.get("kind") == "step" else ("train_loss", "lr")
     for key, value in record.items():
-        if key == "train_loss" or key == "lr" or (key.startswith(EVALUATED) and not key.endswith("eval_samples")):
+        if key in shown or (key.startswith(EVALUATED) and not key.endswith("eval_samples")):
             parts.append(f"{key} {_fmt(value)}")
+    if record.get("evaluated_on"):  # --eval-batches: not the whole set
+        parts.append(record["evaluated_on"])
     if record.get("samples_per_s"):
         parts.append(f"{record['samples_per_s']:,.0f} samples/s")
     if record.get("tokens_per_s"):
@@ -251,45 +272,85 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def curve_series(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """What ``curves.png`` draws, by optimizer step: ``train_loss`` at each step record
+    (--log-every; a run without them: at each epoch's end), every evaluation figure at the step
+    it was taken, and ``epochs``: the step each epoch ended at. ``report --json`` holds it too."""
+    steps = [r for r in records if r.get("kind") == "step"]
+    epochs = [r for r in records if r.get("kind") == "epoch"]
+    trained = steps or epochs
+    series: dict[str, Any] = {"train_loss": [[r["step"], r["train_loss"]] for r in trained
+                                             if isinstance(r.get("train_loss"), (int, float))]}
+    names = sorted({k for r in records for k in r if k.startswith(EVALUATED) and not k.endswith("eval_samples")})
+    for name in names:  # an evaluation's own record and an epoch's that carries one, each step once
+        points = {r["step"]: r[name] for r in records if isinstance(r.get(name), (int, float))}
+        series[name] = [[step, value] for step, value in sorted(points.items())]
+    series["epochs"] = [[r["epoch"], r["step"]] for r in epochs if not r.get("partial")]
+    return series
+
+
 def plot_curves(run_dir: Path) -> str | None:
-    """Draw ``curves.png`` from metrics.jsonl; a one-line note instead if matplotlib is absent."""
+    """Draw ``curves.png`` from metrics.jsonl (``curve_series``, x in optimizer steps, the epochs'
+    ends marked on a second axis when there are several); a one-line note instead if matplotlib is absent."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return "curves.png not drawn: matplotlib is not installed (pip install 'ddptrain[plot]')"
-    records = [r for r in read_metrics(run_dir) if r.get("kind") == "epoch"]
-    if not records:
-        return "curves.png not drawn: no epoch finished"
+    series = curve_series(read_metrics(run_dir))
+    if not series["train_loss"] and len(series) == 2:
+        return "curves.png not drawn: no step logged, no epoch finished"
     panels = [("loss", ["train_loss", "eval_loss", "ema_eval_loss"])]
-    extra = sorted({k for r in records for k in r if k.startswith("eval_") and k != "eval_loss"
-                    and k != "eval_samples"})
+    extra = [k for k in series if k.startswith("eval_") and k != "eval_loss"]
     panels += [(k.removeprefix("eval_"), [k, f"ema_{k}"]) for k in extra]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
     for ax, (title, keys) in zip(axes[0], panels):
         for key in keys:
-            points = [(r["epoch"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+            points = series.get(key, [])
             if points:
-                ax.plot(*zip(*points), marker="o", label=key)
+                many = len(points) > 40  # a step-logged loss: a line; evaluations: points on it
+                ax.plot(*zip(*points), marker="" if many else "o", markersize=4, label=key)
         ax.set_title(title)
-        ax.set_xlabel("epoch")
+        ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend()
+        ends = series["epochs"]
+        if len(ends) > 1:  # the epochs' ends on top, where there are several
+            top = ax.secondary_xaxis("top")
+            shown = ends[::max(1, len(ends) // 8)]
+            top.set_xticks([step for _, step in shown], labels=[str(epoch + 1) for epoch, _ in shown])
+            top.set_xlabel("epochs done", fontsize=8)
+            top.tick_params(labelsize=8)
     fig.tight_layout()
     fig.savefig(run_dir / "curves.png", dpi=110)
     plt.close(fig)
     return None
 
 
+def config_json(cfg: RunConfig, built: dict[str, Any] | None, unused: tuple[str, ...] = ()) -> str:
+    """config.json: the settings as used, and ``built``, the optimizer and schedule as built (its
+    class and every parameter group's hyper-parameters). ``unused``: settings written as null
+    rather than their defaults (the optimizer's, where the task built its own)."""
+    settings = json.loads(cfg.to_json())
+    settings.update(dict.fromkeys(unused))
+    if built is not None:
+        settings[BUILT] = built
+    return json.dumps(settings, indent=2, sort_keys=True) + "\n"
+
+
 def summarize(run_dir: Path) -> dict[str, Any]:
-    """The final summary, rebuilt from metrics.jsonl (also what ``ddptrain report`` prints)."""
+    """The final summary, rebuilt from metrics.jsonl (also what ``ddptrain report`` prints).
+    ``wall_time_s``: the run's wall over every attempt (goodput's), once it ended; before, its
+    epochs' time; the rates: training alone (evaluations and snapshots left out)."""
     records = read_metrics(run_dir)
     epochs = [r for r in records if r.get("kind") == "epoch"]
+    goodput = [r for r in records if r.get("kind") == "goodput"]
     summary: dict[str, Any] = {
         "epochs": epochs[-1]["epoch"] + 1 if epochs else 0,
-        "steps": records[-1]["step"] if records else 0,
-        "wall_time_s": round(sum(r.get("epoch_time_s", 0.0) for r in epochs), 2),
+        "steps": max((r["step"] for r in records), default=0),
+        "wall_time_s": round(goodput[-1]["wall_s"] if goodput and "wall_s" in goodput[-1]
+                             else sum(r.get("epoch_time_s", 0.0) for r in epochs), 2),
     }
     for name in ("samples_per_s", "tokens_per_s", "tflops", "mfu"):
         rates = [r[name] for r in epochs if r.get(name)]
@@ -301,11 +362,12 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     evaluated = [r for r in records if any(k.startswith("eval_") for k in r)]
     if evaluated:
         summary.update({k: v for k, v in evaluated[-1].items() if k.startswith(EVALUATED)})
+        if any("evaluated_on" in r for r in evaluated):  # --eval-batches: which set the last figures are of
+            summary["evaluated_on"] = evaluated[-1].get("evaluated_on", "the whole evaluation set")
     best = Path(run_dir) / "best" / "best.json"  # --keep-best (snapshots/best.py)
     if best.is_file():
         kept = json.loads(best.read_text())
         summary[f"best_{kept['metric']}"], summary["best_step"] = kept["value"], kept["step"]
-    goodput = [r for r in records if r.get("kind") == "goodput"]
     if goodput:
         summary["goodput"] = goodput[-1]["goodput"]
         if goodput[-1]["attempts"] > 1:

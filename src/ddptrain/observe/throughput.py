@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -66,9 +67,30 @@ class FlopCount:
         self.per_step = int(mode.get_total_flops())
 
 
+class TrainingClock:
+    """Seconds of training alone: the wall clock less the time spent ``aside`` (evaluations,
+    snapshots), so that rates compare with another trainer's steady rate whatever the run
+    evaluates or saves in between. (On a GPU an evaluation's first read also waits for the
+    training work still queued: that moment counts as the evaluation's.)"""
+
+    def __init__(self) -> None:
+        self.aside_s = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.aside_s
+
+    @contextlib.contextmanager
+    def aside(self) -> Any:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.aside_s += time.perf_counter() - began
+
+
 def throughput_record(samples: int, seconds: float, steps: int, job_flops_per_step: float | None,
                       tokens_per_sample: int | None, peak_tflops: float | None, world_size: int) -> dict[str, Any]:
-    """The epoch record's throughput figures (``samples`` and ``steps`` over ``seconds``)."""
+    """An epoch's or a step record's throughput figures (``samples`` and ``steps`` over ``seconds``)."""
     record: dict[str, Any] = {}
     if seconds <= 0:
         return record

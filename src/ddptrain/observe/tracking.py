@@ -63,8 +63,11 @@ class Tracker:
 
 def metrics_of(record: dict[str, Any]) -> dict[str, float]:
     """A metrics.jsonl record as flat numbers: nested figures joined with '/'
-    (``data_s/max``, ``memory_mb/peak_rss_mb/max``), skipped steps counted."""
+    (``data_s/max``, ``memory_mb/peak_rss_mb/max``), skipped steps counted; a step record's
+    (--log-every) under ``step/`` (``step/train_loss``: an epoch's record at the same step keeps
+    ``train_loss``, each figure its own curve)."""
     flat: dict[str, float] = {}
+    within = "step/" if record.get("kind") == "step" else ""
 
     def add(prefix: str, value: Any) -> None:
         if isinstance(value, bool) or value is None:
@@ -79,13 +82,28 @@ def metrics_of(record: dict[str, Any]) -> dict[str, float]:
         if key == "skipped_steps":
             flat[key] = float(len(value))
         elif key not in PLACES:
-            add(key, value)
+            add(within + key, value)
     return flat
 
 
 def params_of(config: dict[str, Any]) -> dict[str, str]:
-    """config.json's settings as the text parameters trackers keep."""
-    return {key: str(value) for key, value in sorted(config.items())}
+    """config.json's settings as the text parameters trackers keep; what the run built (nested)
+    flattened with '/' (``built/optimizer/param_groups/0/lr``), each value short."""
+    params: dict[str, str] = {}
+
+    def add(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                add(f"{prefix}/{key}", inner)
+        elif isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+            for index, inner in enumerate(value):
+                add(f"{prefix}/{index}", inner)
+        else:
+            params[prefix] = str(value)
+
+    for key, value in sorted(config.items()):
+        add(key, value)
+    return params
 
 
 class TrackerState:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..config import KEPT_ON_RESUME
+from ..config import KEPT_ON_RESUME, MATH_OMITTED_AT
 from ..errors import DiskFull, SnapshotError
 from ..run_dir import SNAPSHOT_NAME, snapshot_name, snapshot_number
 
@@ -337,6 +337,8 @@ def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], path: Path
                if (k in saved or k not in KEPT_ON_RESUME) and saved.get(k) != current[k]]
     if "sync" in saved and "sync" not in current:  # (every-step, the default, is left out of fingerprints)
         changed.append(f"sync: {saved['sync']!r} -> 'every-step'")
+    changed += [f"{name}: {saved[name]!r} -> {default!r}" for name, default in MATH_OMITTED_AT.items()
+                if name in saved and name not in current]  # (left out of a fingerprint at their defaults)
     if changed:
         raise SnapshotError(f"snapshot {path} was taken with other settings ({'; '.join(changed)}); "
                             "use the original flags, or --resume never / another --run-dir")

@@ -24,6 +24,7 @@ MetricFn = Callable[[Any, Any], torch.Tensor]
 StepFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 EvalFn = Callable[[torch.nn.Module, Any], Mapping[str, Any]]
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer, int], Any]
 
 
 @dataclass
@@ -37,6 +38,9 @@ class Task:
     eval_set: Dataset | None = None
     metrics: dict[str, MetricFn] = field(default_factory=dict)
     make_optimizer: OptimizerFactory | None = None
+    # The learning-rate schedule, made from the optimizer and the run's length in optimizer steps
+    # (an LRScheduler, stepped once per step; in place of --lr-schedule, --warmup-steps, --min-lr).
+    make_scheduler: SchedulerFactory | None = None
     # Defaults for hyper-parameters the user did not set (keys of config.GLOBAL_DEFAULTS).
     defaults: dict[str, Any] = field(default_factory=dict)
     # Batches of any structure (dicts, nested tuples; Hugging Face style).
@@ -74,7 +78,8 @@ def check_task(task: Any, name: str) -> None:
                           "eval_fn replaces; report it from eval_fn(model, batch), or make it a metric object "
                           "(torchmetrics) that eval_fn updates")
     for name_, value in (("collate_fn", task.collate_fn), ("step_fn", task.step_fn),
-                         ("eval_fn", task.eval_fn), ("loss_fn", task.loss_fn), ("blocks", task.blocks)):
+                         ("eval_fn", task.eval_fn), ("loss_fn", task.loss_fn), ("blocks", task.blocks),
+                         ("make_optimizer", task.make_optimizer), ("make_scheduler", task.make_scheduler)):
         if value is not None and not callable(value):
             raise ConfigError(f"--task {name}: Task.{name_} is {type(value).__name__}, not a function")
     if not isinstance(task.train_set, IterableDataset):  # map-style: every rank samples its own share
