@@ -19,12 +19,12 @@ from .observe.metrics import (
     EpochLosses,
     GradNorms,
     RankTimings,
-    StepWindow,
     memory_record,
     model_state_mb,
     peak_rss_mb,
     timing_record,
 )
+from .observe.step_records import StepRecords
 from .observe.throughput import FlopCount, TrainingClock, throughput_record
 from .parallel.averaging import WeightAverage
 from .progress import Progress
@@ -51,9 +51,8 @@ class EpochTally:
     newest_snapshot: Callable[[], str | None]
     tokens_per_sample: int | None
     peak_tflops: float | None
-    window: StepWindow  # the steps since the last step record (--log-every)
+    records: StepRecords  # --log-every's step records: the open window is summed here too, and closed ones carried
     clock: TrainingClock  # training time alone: rates leave evaluations and snapshots out
-    window_began: float = 0.0  # the clock when the window's first step of this process began
     first_step_at: float | None = None  # wall clock of the first step (start-up benchmarks)
     first_step_reported: bool = False
 
@@ -63,33 +62,7 @@ class EpochTally:
             self.guard.skip(self.progress.global_step)
         else:
             self.losses.add(loss)
-        self.window.add(loss, self.grad_norms.last())
         self.first_step_at = self.first_step_at or time.time()
-
-    def start_window(self) -> None:
-        """Training (re)starts here: the step record's time counts from now."""
-        self.window_began = self.clock.now()
-
-    def step_record(self) -> dict[str, Any]:
-        """The step record of --log-every: the mean loss and gradient norm of the steps since the
-        last one, summed over the ranks in one all-reduce (with the job's FLOPs per step), the rate,
-        and this process's training-only throughput over them. Every rank calls it."""
-        now = self.clock.now()
-        seconds, samples, steps = now - self.window_began, self.window.samples, self.window.steps
-        reduced = sum_over_ranks({"window": self.window.local_rows(),
-                                  "flops": torch.tensor([float(self.flops.per_step or 0)])},
-                                 self.ctx.watchdog, "summing the logged steps' loss over the ranks",
-                                 self.progress.global_step)
-        self.window_began = now
-        record: dict[str, Any] = {
-            "kind": "step", "epoch": self.progress.epoch, "step": self.progress.global_step,
-            **self.window.figures(reduced["window"]), "lr": self.optimizer.param_groups[0]["lr"],
-            "samples_per_s": round(samples / seconds, 1) if seconds > 0 else None,
-            **throughput_record(samples, seconds, steps, float(reduced["flops"][0]), self.tokens_per_sample,
-                                self.peak_tflops, self.ctx.world_size),
-            "time": round(time.time(), 3),
-        }
-        return record
 
     def before_snapshot(self) -> None:
         """The epoch's (and the step window's) loss and gradient norms so far, summed over the
@@ -146,6 +119,8 @@ class EpochTally:
         """One all-reduce: the epoch's loss sums, whether every rank's losses and weights are
         finite, and (at epoch ends) every rank's timings, memory and FLOPs per step, a row per rank. Raises
         NonFiniteError, before anything is saved or evaluated, when a loss or a weight is not finite."""
+        self.records.finish()  # (the step records launched: theirs first)
+        waiting = self.records.rows()  # closed windows' rows: their records' sums come with this reduction
         world, rank, device = self.ctx.world_size, self.ctx.rank, self.ctx.device
         first_bad_step = torch.zeros(world, dtype=torch.float64, device=device)
         figures = torch.zeros(world, 6, dtype=torch.float64, device=device)
@@ -161,9 +136,11 @@ class EpochTally:
             "loss_steps": torch.tensor(self.losses.local_steps() if self.ctx.is_main else 0),
             "bad_weights": ~local_all_finite(self.params),  # ranks whose weights are not finite
             "first_bad_step": first_bad_step, "figures": figures, "grad_squares": self.grad_norms.local_squares(),
-            "window": self.window.local_rows(),
+            "window": self.records.window.local_rows(), **({"records": waiting} if waiting is not None else {}),
         }, self.ctx.watchdog, "summing the loss over the ranks", self.progress.global_step)
-        self.window.fold(reduced["window"])  # (a snapshot holds the step window's figures so far)
+        self.records.window.fold(reduced["window"])  # (a snapshot holds the open window's figures so far)
+        if waiting is not None:
+            self.records.write_summed(reduced["records"])
         self.guard.check([int(s) for s in reduced["first_bad_step"].tolist()], int(reduced["bad_weights"]) == 0,
                          self.progress.global_step, self.progress.epoch, self.newest_snapshot())
         return reduced

@@ -33,11 +33,11 @@ from .observe.metrics import (
     EpochLosses,
     GradNorms,
     RankTimings,
-    StepWindow,
     return_free_memory,
 )
 from .observe.ray_train import RayReports
 from .observe.report import NullReporter, Reporter
+from .observe.step_records import StepRecords, StepWindow
 from .observe.throughput import FlopCount, StepProfiler, TrainingClock, device_peak_tflops
 from .optim import ScalerState, SchedulerState, build_optimizer, build_schedule, describe_optimizer, run_steps
 from .parallel import make_strategy
@@ -69,10 +69,9 @@ class Trainer:
     def __init__(self, task: Task, cfg: RunConfig, ctx: DistContext) -> None:
         check_task(task, cfg.task)
         self.task, self.ctx, self.device = task, ctx, ctx.device
-        # config.json: the optimizer's settings left unset (by the user and the task's defaults) are null
-        # where the task builds its own optimizer
-        self.unused = tuple(name for name in unset_settings(cfg, OPTIMIZER_SETTINGS)
-                            if name not in task.defaults) if task.make_optimizer else ()
+        # config.json: where the task builds its own optimizer, the optimizer settings the user left unset
+        # are null (its make_optimizer sees the factory's settings, from before Task.defaults fill them)
+        self.unused = unset_settings(cfg, OPTIMIZER_SETTINGS) if task.make_optimizer else ()
         self.cfg = cfg.with_task_defaults(task.defaults).with_run_dir()  # lr, optimizer, ... the user left unset
         self.home = RunDir.of(self.cfg.run_dir)
         self.run_dir = self.home.local  # a run dir on a store: this machine's mirror of it
@@ -201,12 +200,15 @@ class Trainer:
         self.profiler = StepProfiler(self.cfg.profile, self.run_dir, self.ctx.rank, self.device)
         if self.strategy.forward_syncs:  # the forward's own collective ends where the inner forward begins
             self.module.register_forward_pre_hook(lambda *_: self.watchdog.depart())
+        self.records = StepRecords(  # --log-every
+            self.window, self.ctx, self.progress, self.clock, self.flops, self.optimizer, self.task.tokens_per_sample,
+            self.cfg.peak_tflops or device_peak_tflops(self.device), write=self.reporter.log_step)
         self.tally = EpochTally(
             ctx=self.ctx, progress=self.progress, losses=self.losses, grad_norms=self.grad_norms,
             timings=self.timings, flops=self.flops, guard=self.guard, params=self.params,
             optimizer=self.optimizer, average=self.average, newest_snapshot=self.checkpointer.newest_path,
             tokens_per_sample=self.task.tokens_per_sample,
-            peak_tflops=self.cfg.peak_tflops or device_peak_tflops(self.device), window=self.window, clock=self.clock)
+            peak_tflops=self.cfg.peak_tflops or device_peak_tflops(self.device), records=self.records, clock=self.clock)
 
     def _build_step(self, schedule: Any) -> None:
         """The optimizer step (step.py): what it reads and changes (the schedule is its alone
@@ -291,7 +293,7 @@ class Trainer:
         if self.cfg.epochs == 0:  # the initial model's evaluation, before epoch 0
             self.reporter.log(self._evaluation(0, final=True))
         self.groups.start(self.progress.global_step)  # torchft's --sync groups meet (a restarted one heals)
-        self.tally.start_window()
+        self.records.start()
         while not self.cadence.done():
             try:
                 ended_by = self._run_epoch(self.progress.epoch)
@@ -328,6 +330,8 @@ class Trainer:
         action, steps = Action(), self.batches.steps()
         while not action.leaves_epoch and self._train_step(steps):
             action = self.cadence.after_step(*self.stop_signal.check())
+            if self.stop_signal.checked:  # every rank's same steps, about twice a second
+                self.records.launch()
             if action.evaluate:  # before this step's snapshot: it holds the verdict
                 record = self._evaluation(epoch)
                 action = self.cadence.judged(action)
@@ -336,6 +340,8 @@ class Trainer:
             if action.save_now:
                 self._save()
         self.reporter.epoch_finished()
+        if self.groups.healed or action.stop:  # no epoch record next, whose reduction would carry them
+            self.records.flush()
         if self.groups.healed:
             return "healed"
         ran_out = not action.leaves_epoch
@@ -368,12 +374,11 @@ class Trainer:
             self.reporter.waited(time.perf_counter() - stepping)
         self.progress.step_done(step_samples)
         self.tally.step_done(loss)
-        self.window.trained(step_samples)
+        self.records.step_done(loss, self.grad_norms.last(), step_samples)  # (no collective)
+        self.records.finish()  # the records launched at the last agreement: their sum ran during this step
         # (--sync local-sgd|diloco: the groups meet inside the step they end, as a profile shows it)
         synced = self.groups.after_step(self.progress.global_step, step_samples)
-        if self.window.due(self.progress.global_step):  # --log-every: every rank takes part
-            self.reporter.log_step(self.tally.step_record())
-        self.profiler.step_done()  # (a profile shows the step record's all-reduce in the step it logs)
+        self.profiler.step_done()
         shown = loss is not None and self.progress.global_step % LOSS_DISPLAY_EVERY == 0
         self.reporter.step_done(self.progress.global_step,  # the loss shown: rank 0's mean
                                loss * self.ctx.world_size if shown and loss is not None else None)

@@ -267,7 +267,8 @@ def _tally_an_epoch(rank, world):
 
     from ddptrain.comm import DistContext
     from ddptrain.errors import NonFiniteError
-    from ddptrain.observe.metrics import EpochLosses, GradNorms, RankTimings, StepWindow
+    from ddptrain.observe.metrics import EpochLosses, GradNorms, RankTimings
+    from ddptrain.observe.step_records import StepRecords, StepWindow
     from ddptrain.observe.throughput import FlopCount, TrainingClock
     from ddptrain.progress import Progress
     from ddptrain.resilience.guard import NonFiniteGuard
@@ -277,12 +278,15 @@ def _tally_an_epoch(rank, world):
     model = torch.nn.Linear(3, 1)
     params = list(model.parameters())
     progress = Progress(steps_per_epoch=4)
+    optimizer, clock = torch.optim.SGD(params, lr=0.5), TrainingClock()
+    records = StepRecords(StepWindow(ctx.device, 0), ctx, progress, clock, FlopCount(), optimizer, None, None,
+                          write=lambda record: None)
     tally = EpochTally(
         ctx=ctx, progress=progress, losses=EpochLosses(ctx.device, 4, carries=rank == 0),
         grad_norms=GradNorms(ctx.device, 4, counts=True, carries=rank == 0), timings=RankTimings(params),
         flops=FlopCount(), guard=NonFiniteGuard(1), params=params,
-        optimizer=torch.optim.SGD(params, lr=0.5), average=None, newest_snapshot=lambda: "snapshots/step_00000003.pt",
-        tokens_per_sample=None, peak_tflops=None, window=StepWindow(ctx.device, 0), clock=TrainingClock())
+        optimizer=optimizer, average=None, newest_snapshot=lambda: "snapshots/step_00000003.pt",
+        tokens_per_sample=None, peak_tflops=None, records=records, clock=clock)
     since = tally.epoch_began()
     for part in (1.0, None, 3.0, 5.0):
         progress.step_done(8)

@@ -14,8 +14,8 @@ from ddptrain.cli import main
 from ddptrain.config import OPTIMIZER_SETTINGS, nearest_flag, unset_settings
 from ddptrain.config_checks import validate
 from ddptrain.data import eval_subset
-from ddptrain.observe.metrics import StepWindow
 from ddptrain.observe.report import config_json, console_line, curve_series, summarize
+from ddptrain.observe.step_records import StepWindow, add_rows, window_figures
 from ddptrain.observe.tracking import metrics_of, params_of
 from ddptrain.optim import build_schedule, describe_optimizer, lr_factor
 from ddptrain.settings import from_options, read_settings_file
@@ -28,28 +28,31 @@ def _window(losses, norms, every=10):
     return window
 
 
+def _record(window, *others):
+    """The record of ``window``'s steps, its rows summed with ``others``' (the ranks' all-reduce)."""
+    rows, carried, _, _ = window.take()
+    return window_figures(add_rows(carried, sum((other.take()[0] for other in others), rows)))
+
+
 def test_the_step_window_is_the_mean_over_its_steps_of_the_ranks_summed_parts():
     # two ranks' parts of three steps (each step's loss: the parts' sum); ddp: rank 0 holds the norm
     rank0, rank1 = _window([0.5, 1.0, None], [3.0, 4.0, math.inf]), _window([0.5, 2.0, None], [0.0, 0.0, 0.0])
-    summed = rank0.local_rows() + rank1.local_rows()
-    figures = rank0.figures(summed)
+    figures = _record(rank0, rank1)
     assert figures == {"train_loss": pytest.approx((1.0 + 3.0) / 2), "grad_norm": pytest.approx(3.5)}  # skipped: out
-    assert rank0.count == 0 and rank0.state_dict()["window_loss_steps"] == 0
+    assert rank0.count == 0 and rank0.state_dict()["window_loss_steps"] == 0  # a new window
     # a non-finite loss that was not skipped shows in the record (the guard stops the run at its next check)
-    nan = _window([1.0, math.nan], [1.0, 1.0])
-    assert math.isnan(nan.figures(nan.local_rows())["train_loss"])
+    assert math.isnan(_record(_window([1.0, math.nan], [1.0, 1.0]))["train_loss"])
 
 
 def test_a_window_folded_for_a_snapshot_carries_its_figures_into_the_resumed_record():
-    whole = _window([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 2.0, 2.0])
-    expected = whole.figures(whole.local_rows())
+    expected = _record(_window([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 2.0, 2.0]))
     before = _window([1.0, 2.0], [1.0, 1.0])
     before.fold(before.local_rows())  # the snapshot's reduction
     resumed = StepWindow(torch.device("cpu"), 10)
     resumed.load_state_dict(before.state_dict())
     for loss, norm in ((3.0, 2.0), (4.0, 2.0)):
         resumed.add(torch.tensor(loss), torch.tensor(norm, dtype=torch.float64))
-    assert resumed.figures(resumed.local_rows()) == pytest.approx(expected)
+    assert _record(resumed) == pytest.approx(expected)
 
 
 def test_log_every_defaults_to_ten_or_four_records_in_a_short_run():

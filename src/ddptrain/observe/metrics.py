@@ -8,7 +8,6 @@ tell the non-finite guard the first step whose loss was not finite.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -126,86 +125,6 @@ class GradNorms:
         saved = (state.get("epoch_grad_norm_total", 0.0), state.get("epoch_grad_norm_steps", 0),
                  state.get("epoch_grad_norm_max", 0.0))
         self.reset(carried=saved if self.carries else (0.0, 0, 0.0))
-
-
-class StepWindow:
-    """The steps since the last step record (--log-every N): each step's loss (this rank's part)
-    and gradient norm (GradNorms', this rank's), kept on the device, and the samples and steps this
-    process trained in it. ``figures`` takes them summed over the ranks (one all-reduce, at a
-    logging step only); ``fold`` does it with a snapshot's reduction, so that a run resumed inside
-    a window writes the record the uninterrupted run writes (the figures so far are carried)."""
-
-    def __init__(self, device: torch.device, every: int) -> None:
-        self.device, self.every = device, every
-        # a row a step: (loss part, gradient norm, 1 where the step has a loss: not skipped as non-finite)
-        self.slots = torch.zeros(max(1, every), 3, dtype=torch.float64, device=device)
-        self.reset()
-
-    def reset(self, carried: tuple[float, int, float, int] = (0.0, 0, 0.0, 0)) -> None:
-        """``carried``: (loss sum, its steps, gradient norm sum, its steps) over every rank, for the
-        window's steps before a snapshot."""
-        self.count, self.carried = 0, carried
-        self.samples = self.steps = 0  # trained by this process in the window (a resumed one: since the resume)
-
-    def add(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
-        """A step's loss part (None: a skipped step, which has none) and this rank's gradient norm."""
-        if self.every == 0:  # --log-every 0: no step records
-            return
-        if self.count == len(self.slots):  # (a logging step missed: a torchft group healed in it)
-            self.slots = torch.cat([self.slots, torch.zeros_like(self.slots)])
-        row = self.slots[self.count]
-        if loss is not None:
-            row[0] = loss.detach()  # no host sync: copies on the device
-            row[2] = 1.0
-        row[1] = grad_norm
-        self.count += 1
-
-    def trained(self, samples: int) -> None:
-        """A step of ``samples`` (over every rank) trained by this process."""
-        self.samples, self.steps = self.samples + samples, self.steps + 1
-
-    def due(self, step: int) -> bool:
-        return self.every > 0 and step % self.every == 0
-
-    def local_rows(self) -> torch.Tensor:
-        """The window's steps since the last fold: (loss part, gradient norm squared, has a loss)."""
-        rows = self.slots[:self.count].clone()
-        rows[:, 1] = rows[:, 1].square()
-        return rows
-
-    def fold(self, summed: torch.Tensor) -> tuple[float, int, float, int]:
-        """``summed``: ``local_rows()`` summed over the ranks: the window's figures so far (a loss
-        that is not finite included: the record shows it; a skipped step's left out), kept for the
-        next snapshot and the record, and the slots free again."""
-        counted = summed[:, 2] > 0
-        losses, norms = summed[counted, 0], summed[counted, 1].sqrt()
-        norms = norms[torch.isfinite(norms)]
-        total, steps, norm_total, norm_steps = self.carried
-        self.carried = (total + float(losses.sum()), steps + len(losses),
-                        norm_total + float(norms.sum()), norm_steps + len(norms))
-        self.count = 0
-        self.slots.zero_()
-        return self.carried
-
-    def figures(self, summed: torch.Tensor) -> dict[str, float]:
-        """The record's mean training loss and gradient norm over the window's steps (those that
-        had one), the window then begun afresh."""
-        total, steps, norm_total, norm_steps = self.fold(summed)
-        self.reset()
-        figures = {"train_loss": total / steps if steps else math.nan}
-        if norm_steps and norm_total > 0:  # (a strategy that does not measure them: none)
-            figures["grad_norm"] = norm_total / norm_steps
-        return figures
-
-    # In a snapshot: the window's figures so far over every rank (folded just before saving).
-    def state_dict(self) -> dict[str, Any]:
-        total, steps, norm_total, norm_steps = self.carried
-        return {"window_loss_total": total, "window_loss_steps": steps,
-                "window_grad_norm_total": norm_total, "window_grad_norm_steps": norm_steps}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.reset((state.get("window_loss_total", 0.0), state.get("window_loss_steps", 0),
-                    state.get("window_grad_norm_total", 0.0), state.get("window_grad_norm_steps", 0)))
 
 
 # --- per-rank timings (stragglers) and memory ------------------------------------------------

@@ -57,6 +57,7 @@ class StopSignal:
         self.message = torch.zeros(3)
         self.pending: Any = None
         self.interval, self.next_check = 1, 1
+        self.checked = False  # whether the last check() agreed (a collective every rank took)
         self.steps, self.last_check_step, self.last_check_time = 0, 0, time.perf_counter()
         self.replaced: dict[int, Any] = {}
 
@@ -72,7 +73,8 @@ class StopSignal:
     def check(self) -> Decision:
         """Call after every step on every rank: the same Decision on all ranks, after the same step."""
         self.steps += 1
-        if self.steps < self.next_check:
+        self.checked = self.steps >= self.next_check  # (others may act at the same steps: step records)
+        if not self.checked:
             return NOTHING
         decision = NOTHING
         if self.pending is not None:
