@@ -23,17 +23,18 @@ from .tasks.protocol import Task
 
 class Evaluations:
     """``batches``: the evaluation set's (None: the task has none, and an evaluation is empty), or
-    --eval-batches' subset of it, with ``whole``, which makes the whole set's for the run's final
-    evaluation (None: the final one reads ``batches`` too).
+    --eval-batches' subset of it (``subset``), with ``whole``, which makes the whole set's for the
+    run's final evaluation (None: the final one reads ``batches`` too).
     ``share_buffers``: makes every rank's buffers rank 0's, so all evaluate what model.pt holds."""
 
     def __init__(self, *, task: Task, ctx: DistContext, strategy: Strategy, module: torch.nn.Module,
                  model: torch.nn.Module, average: WeightAverage | None, batches: EvalBatches | None,
                  best: BestModel | None, run_dir: Path, uploads: Uploader | None,
-                 share_buffers: Callable[[], None], whole: Callable[[], EvalBatches] | None = None) -> None:
+                 share_buffers: Callable[[], None], subset: bool = False,
+                 whole: Callable[[], EvalBatches] | None = None) -> None:
         self.task, self.ctx, self.strategy, self.module, self.model = task, ctx, strategy, module, model
         self.average, self.batches, self.best, self.run_dir, self.uploads = average, batches, best, run_dir, uploads
-        self.share_buffers, self.whole = share_buffers, whole
+        self.share_buffers, self.subset, self.whole = share_buffers, subset, whole
         # the newest evaluation's (global step, over the whole set), and its figures:
         self.evaluated_at: tuple[int, bool] = (-1, False)
         self.newest: dict[str, Any] = {}
@@ -57,7 +58,7 @@ class Evaluations:
         self.share_buffers()
         model = self.strategy.eval_model(self.module, self.model)
         if whole and self.whole is not None:  # made at the first use: its loader's workers start then
-            self.batches, self.whole = self.whole(), None
+            self.batches, self.whole, self.subset = self.whole(), None, False
         batches = self.batches
 
         def figures() -> dict[str, float]:
@@ -69,8 +70,8 @@ class Evaluations:
             with self.average.swapped_in(lambda: self.strategy.settle(self.module)):
                 averaged = figures()
             self.newest.update({f"ema_eval_{k}": v for k, v in averaged.items() if k != "samples"})
-        if self.task.eval_set is not None and len(self.task.eval_set) > self.newest.get("eval_samples", 0):  # type: ignore[arg-type]
-            self.newest["evaluated_on"] = "--eval-batches subset"  # (said in the record and the summary)
+        if self.subset:  # (said in the record, the console's line and the summary)
+            self.newest["evaluated_on"] = "--eval-batches subset"
         return dict(self.newest)
 
     def _judge(self, record: dict[str, Any]) -> None:

@@ -141,15 +141,6 @@ class Trainer:
                               "shares cannot move between replica groups); drop one of them")
         # (--fault-tolerance torchft: the data is shared over every replica group's ranks)
         self.batches = training_batches(task.train_set, cfg, data_context(cfg, ctx), task.collate_fn, self.cpu_group)
-        def eval_batches(dataset: Any) -> EvalBatches:
-            return EvalBatches(dataset, cfg.batch_size, ctx.rank, ctx.world_size, self.device, cfg.workers,
-                               task.collate_fn, equal_counts=self.strategy.forward_syncs)
-
-        evaluated, whole = task.eval_set, None  # --eval-batches: a subset, and the whole set for the last one
-        if evaluated is not None and cfg.eval_batches:
-            evaluated = eval_subset(evaluated, cfg.eval_batches * cfg.batch_size, cfg.seed)
-            if evaluated is not task.eval_set and cfg.final_eval == "full":
-                whole = lambda: eval_batches(task.eval_set)  # noqa: E731
         self.steps_per_epoch = self.batches.steps_per_epoch  # None: a stream's epoch ends when it does
         self.progress = Progress(steps_per_epoch=self.steps_per_epoch)
         self.losses = EpochLosses(self.device, self.steps_per_epoch or 64, carries=ctx.is_main)
@@ -157,11 +148,27 @@ class Trainer:
                                     counts=self.strategy.counts_gradients)
         self.window = StepWindow(self.device, cfg.log_interval(run_steps(cfg, self.steps_per_epoch)))
         self.guard = NonFiniteGuard(cfg.skip_nonfinite)
-        self.evaluations = Evaluations(
-            task=task, ctx=ctx, strategy=self.strategy, module=self.module, model=self.model, average=self.average,
-            batches=None if evaluated is None else eval_batches(evaluated), whole=whole, best=self.best,
-            run_dir=self.run_dir, uploads=self.uploads, share_buffers=self._share_buffers)
+        self.evaluations = self._build_evaluations()
         self.cadence = self._cadence()  # what is due after each step
+
+    def _build_evaluations(self) -> Evaluations:
+        """The held-out set's evaluations: over the whole set, or --eval-batches' subset with the
+        whole set for the run's last (--final-eval full)."""
+        cfg, ctx, task = self.cfg, self.ctx, self.task
+
+        def batches(dataset: Any) -> EvalBatches:
+            return EvalBatches(dataset, cfg.batch_size, ctx.rank, ctx.world_size, self.device, cfg.workers,
+                               task.collate_fn, equal_counts=self.strategy.forward_syncs)
+
+        evaluated = task.eval_set
+        if evaluated is not None and cfg.eval_batches:
+            evaluated = eval_subset(evaluated, cfg.eval_batches * cfg.batch_size, cfg.seed)
+        subset = evaluated is not task.eval_set
+        return Evaluations(
+            task=task, ctx=ctx, strategy=self.strategy, module=self.module, model=self.model, average=self.average,
+            batches=None if evaluated is None else batches(evaluated), subset=subset,
+            whole=(lambda: batches(task.eval_set)) if subset and cfg.final_eval == "full" else None,
+            best=self.best, run_dir=self.run_dir, uploads=self.uploads, share_buffers=self._share_buffers)
 
     def _build_checkpointer(self, schedule: Any) -> None:
         """The checkpointer, holding every component's state (``schedule``: the learning rate's

@@ -11,6 +11,7 @@ import statistics
 import pytest
 import torch
 
+from ddptrain.cli import main
 from ddptrain.observe.report import curve_series, read_metrics
 from helpers.commands import assert_same_weights, fit, load_model
 
@@ -41,7 +42,7 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_step_records_hold_the_mean_loss_every_rank_computed(uninterrupted):
+def test_step_records_hold_the_mean_loss_every_rank_computed(uninterrupted, capsys):
     records = _step_records(uninterrupted / "run")
     assert [r["step"] for r in records] == [10, 20, 30, 40, 50, 60]
     # the reference: each step's loss is the mean of the two ranks' (equal batches), as the optimizer saw it
@@ -57,6 +58,8 @@ def test_step_records_hold_the_mean_loss_every_rank_computed(uninterrupted):
     assert len(epoch) == 1 and epoch[0]["partial"]  # the epoch's own record is still there, once
     series = curve_series(read_metrics(uninterrupted / "run"))  # what curves.png draws: a point a step record
     assert series["train_loss"] == [[r["step"], r["train_loss"]] for r in records]
+    assert main(["report", str(uninterrupted / "run"), "--json"]) == 0  # the same series, for machines
+    assert json.loads(capsys.readouterr().out)["curves"]["train_loss"] == series["train_loss"]
 
 
 @pytest.mark.slow

@@ -299,8 +299,8 @@ def plot_curves(run_dir: Path) -> str | None:
     except ImportError:
         return "curves.png not drawn: matplotlib is not installed (pip install 'ddptrain[plot]')"
     series = curve_series(read_metrics(run_dir))
-    if not series["train_loss"] and len(series) == 2:
-        return "curves.png not drawn: no step logged, no epoch finished"
+    if not any(points for name, points in series.items() if name != "epochs"):
+        return "curves.png not drawn: no step logged, no epoch finished, no evaluation"
     panels = [("loss", ["train_loss", "eval_loss", "ema_eval_loss"])]
     extra = [k for k in series if k.startswith("eval_") and k != "eval_loss"]
     panels += [(k.removeprefix("eval_"), [k, f"ema_{k}"]) for k in extra]
