@@ -8,7 +8,6 @@ ranks through torch's elastic launcher. Both ``fit`` and the command line go thr
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
@@ -74,7 +73,7 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
     if cfg.fault_tolerance == "torchft":  # the lighthouse answers: one line, before any rank starts
         from .resilience.lighthouse import check_lighthouse
 
-        check_lighthouse(cfg)
+        check_lighthouse(cfg.lighthouse)
     if cfg.resume not in ("auto", "never"):
         from .snapshots.restore import check_resume_path
         check_resume_path(cfg.resume)
@@ -120,7 +119,7 @@ def fit(task: str | TaskFactory, *, config: str | None = None, **options: Any) -
         from .observe.ray_train import ray_storage_run_dir
 
         if (in_ray := ray_storage_run_dir()) is not None:
-            cfg = dataclasses.replace(cfg, run_dir=in_ray)
+            cfg = cfg.replace(run_dir=in_ray)
     (status, message), rank = execute(cfg, factory)
     if status == "config_error":
         raise ConfigError(message)

@@ -7,6 +7,7 @@ Every mistake in the input is one line on stderr and exit status 2, before any r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -16,6 +17,7 @@ from typing import Any, NoReturn
 
 from .config import FIELDS, flag
 from .errors import ConfigError
+from .sections import SECTIONS, section_purpose
 from .settings import coerce, field_type
 
 
@@ -38,21 +40,28 @@ def _typed(field: str, flag_name: str) -> Any:
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per RunConfig field, with its help text and default from the dataclass.
+    """One flag per setting, with its help text and default from its section's dataclass,
+    grouped in ``--help`` by section (sections.py), each with its line of purpose.
 
     Flags not given stay out of the namespace (SUPPRESS), so a --config file's value is
     kept unless the flag overrides it."""
-    for field in FIELDS.values():
-        meta, kind = field.metadata, field_type(field.name)
-        names = [flag(field.name)] + ([meta["alias"]] if meta.get("alias") else [])
-        default = field.default
-        if kind is bool:
-            parser.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=meta["help"])
-        else:
-            help_text = meta["help"] + ("" if default is None else f" (default: {default})")
-            parser.add_argument(*names, dest=field.name, type=_typed(field.name, names[0]), default=argparse.SUPPRESS,
-                                choices=meta.get("choices"), help=help_text)
+    for section in SECTIONS:
+        group = parser.add_argument_group(f"{section.SECTION} settings", section_purpose(section))
+        for field in dataclasses.fields(section):
+            _add_flag(group, field)
+
+
+def _add_flag(group: argparse._ArgumentGroup, field: dataclasses.Field[Any]) -> None:
+    meta, kind = field.metadata, field_type(field.name)
+    names = [flag(field.name)] + ([meta["alias"]] if meta.get("alias") else [])
+    default = field.default
+    if kind is bool:
+        group.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS, help=meta["help"])
+    else:
+        help_text = meta["help"] + ("" if default is None else f" (default: {default})")
+        group.add_argument(*names, dest=field.name, type=_typed(field.name, names[0]), default=argparse.SUPPRESS,
+                           choices=meta.get("choices"), help=help_text)
 
 
 def build_parser() -> OneLineParser:
@@ -62,7 +71,8 @@ def build_parser() -> OneLineParser:
     train = commands.add_parser("train", help="train a task on every local GPU (or CPU ranks), "
                                 "or as one rank under torchrun / srun")
     train.add_argument("--config", default=None, help="settings from a TOML file (keys are the flag "
-                       "names) or a run's config.json; flags given here win")
+                       "names, at the top or in their section's table: [snapshots] save-every = 100) or a run's "
+                       "config.json; flags given here win")
     _add_config_flags(train)
     # torch.distributed.launch without --use-env passes this to every rank.
     train.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int,

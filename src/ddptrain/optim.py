@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule from the resolved config."""
+"""The optimizer and its learning-rate schedule, from the optimizer settings (as the task's defaults resolved them)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ from typing import Any
 
 import torch
 
-from .config import RunConfig
 from .errors import ConfigError
+from .sections import OptimizerSettings, TrainingSettings
 from .tasks.protocol import SchedulerFactory
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: RunConfig) -> torch.optim.Optimizer:
-    name, lr, decay = cfg.hparam("optimizer"), cfg.hparam("lr"), cfg.hparam("weight_decay")
+def build_optimizer(params: Iterable[torch.nn.Parameter], optim: OptimizerSettings) -> torch.optim.Optimizer:
+    name, lr, decay = optim.hparam("optimizer"), optim.hparam("lr"), optim.hparam("weight_decay")
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=decay, betas=cfg.adam_betas, eps=cfg.eps)
-    return torch.optim.SGD(params, lr=lr, momentum=cfg.hparam("momentum"), weight_decay=decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=decay, betas=optim.adam_betas, eps=optim.eps)
+    return torch.optim.SGD(params, lr=lr, momentum=optim.hparam("momentum"), weight_decay=decay)
 
 
 def lr_factor(schedule: str, warmup_steps: int, total_steps: int, floor: float = 0.0) -> Callable[[int], float]:
@@ -39,45 +39,45 @@ def lr_factor(schedule: str, warmup_steps: int, total_steps: int, floor: float =
     return factor
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig,
+def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimizerSettings,
                     total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """--lr-schedule over ``total_steps``: every parameter group's rate decays to the same fraction
     of its own, --min-lr / --lr (one group at --lr: to --min-lr exactly)."""
-    base = cfg.hparam("lr")
-    floor = cfg.min_lr / base if base > 0 else 0.0
-    factor = lr_factor(cfg.lr_schedule, cfg.warmup_steps, total_steps, floor)
+    base = optim.hparam("lr")
+    floor = optim.min_lr / base if base > 0 else 0.0
+    factor = lr_factor(optim.lr_schedule, optim.warmup_steps, total_steps, floor)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def run_steps(cfg: RunConfig, steps_per_epoch: int | None) -> int | None:
+def run_steps(training: TrainingSettings, steps_per_epoch: int | None) -> int | None:
     """The run's length in optimizer steps: --max-steps or the epochs' steps, the fewer (None:
     unknown, epochs of a stream)."""
-    limits = [cfg.max_steps] if cfg.max_steps is not None else []
-    if steps_per_epoch is not None and not math.isinf(cfg.epochs):
-        limits.append(steps_per_epoch * int(cfg.epochs))
+    limits = [training.max_steps] if training.max_steps is not None else []
+    if steps_per_epoch is not None and not math.isinf(training.epochs):
+        limits.append(steps_per_epoch * int(training.epochs))
     return min(limits) if limits else None
 
 
-def build_schedule(optimizer: torch.optim.Optimizer, cfg: RunConfig, steps_per_epoch: int | None,
+def build_schedule(optimizer: torch.optim.Optimizer, optim: OptimizerSettings, total: int | None,
                    make: SchedulerFactory | None = None) -> torch.optim.lr_scheduler.LRScheduler | None:
     """The run's learning-rate schedule (None: a constant rate, nothing to step): the task's
-    ``make``, else --lr-schedule's. Its length is the run's in optimizer steps (``run_steps``); a
-    stream's epoch has no known length, so a decaying schedule over epochs of a stream is refused."""
-    total = run_steps(cfg, steps_per_epoch)
+    ``make``, else --lr-schedule's. Its length, ``total``, is the run's in optimizer steps
+    (``run_steps``); a stream's epoch has no known length (None), so a decaying schedule over
+    epochs of a stream is refused."""
     if make is not None:
-        if cfg.lr_schedule != "constant" or cfg.warmup_steps or cfg.min_lr:
+        if optim.lr_schedule != "constant" or optim.warmup_steps or optim.min_lr:
             raise ConfigError("the task builds its own schedule (Task.make_scheduler); drop --lr-schedule, "
                               "--warmup-steps and --min-lr, or the task's make_scheduler")
         if total is None:
             raise ConfigError("Task.make_scheduler needs the run's length, and an iterable training set's epoch "
                               "has no known length; give --max-steps")
         return make(optimizer, total)
-    if cfg.lr_schedule == "constant" and cfg.warmup_steps == 0:
+    if optim.lr_schedule == "constant" and optim.warmup_steps == 0:
         return None
-    if total is None and cfg.lr_schedule != "constant":
-        raise ConfigError(f"--lr-schedule {cfg.lr_schedule} needs the run's length, and an iterable "
+    if total is None and optim.lr_schedule != "constant":
+        raise ConfigError(f"--lr-schedule {optim.lr_schedule} needs the run's length, and an iterable "
                           "training set's epoch has no known length; give --max-steps")
-    return build_scheduler(optimizer, cfg, total or 1)
+    return build_scheduler(optimizer, optim, total or 1)
 
 
 def describe_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import RunConfig
+from .sections import EvaluationSettings, TrainingSettings
 
 
 @dataclass
@@ -80,13 +80,15 @@ class Action:
 
 
 class Cadence:
-    """The run's limits and intervals, read against ``progress``. ``stopped_early``: whether
-    --early-stop has ended the run (the best-model judge's verdict, the same on every rank)."""
+    """The run's limits (``training``), evaluations (``evaluation``) and --save-every, read against
+    ``progress``. ``stopped_early``: whether --early-stop has ended the run (the best-model
+    judge's verdict, the same on every rank)."""
 
-    def __init__(self, cfg: RunConfig, progress: Progress, evaluates: bool,
-                 stopped_early: Callable[[], bool] = lambda: False) -> None:
-        self.max_epochs, self.max_steps = cfg.epochs, cfg.max_steps
-        self.save_every, self.eval_every, self.eval_every_steps = cfg.save_every, cfg.eval_every, cfg.eval_every_steps
+    def __init__(self, training: TrainingSettings, evaluation: EvaluationSettings, save_every: int,
+                 progress: Progress, evaluates: bool, stopped_early: Callable[[], bool] = lambda: False) -> None:
+        self.max_epochs, self.max_steps = training.epochs, training.max_steps
+        self.eval_every, self.eval_every_steps = evaluation.eval_every, evaluation.eval_every_steps
+        self.save_every = save_every
         self.progress, self.evaluates, self.stopped_early = progress, evaluates, stopped_early
 
     def after_step(self, stop_requested: bool = False, snapshot_requested: bool = False) -> Action:

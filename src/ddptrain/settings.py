@@ -16,13 +16,16 @@ from typing import Any
 
 import tomllib
 
-from .config import BUILT, FIELDS, RunConfig, nearest_flag
+from .config import BUILT, FIELDS, SECTION_OF, RunConfig, nearest_flag
 from .errors import ConfigError
+from .sections import SECTIONS
+
+_SECTION_CLASSES = {kind.SECTION: kind for kind in SECTIONS}
 
 
 def field_type(name: str) -> type:
     """A field's value type, without the ``| None``."""
-    hint = typing.get_type_hints(RunConfig)[name]
+    hint = typing.get_type_hints(_SECTION_CLASSES[SECTION_OF[name]])[name]
     if isinstance(hint, types.UnionType):
         hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
     return hint
@@ -86,7 +89,8 @@ def from_options(options: Mapping[str, Any], where: str = "option") -> RunConfig
 
 
 def read_settings_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Settings from a TOML file (keys are flag names) or a run's own config.json."""
+    """Settings from a TOML file (keys are flag names, at the top or in their section's table:
+    ``[snapshots]`` then ``save-every = 100``) or a run's own config.json."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -102,8 +106,24 @@ def read_settings_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: expected a table of settings")
     if path.suffix == ".json":  # a run's config.json: what it built is a record, not a setting
         settings.pop(BUILT, None)
-    nested = [k for k, v in settings.items() if isinstance(v, dict)]
-    if nested:
-        raise ConfigError(f"--config {path}: [{nested[0]}] is a table; ddptrain settings are "
-                          "top-level keys such as max-epochs = 5")
-    return settings
+    return _flattened(settings, f"--config {path}")
+
+
+def _flattened(settings: dict[str, Any], where: str) -> dict[str, Any]:
+    """A settings file's keys at the top, its sections' tables opened: each key once, in its own section."""
+    flat: dict[str, Any] = {}
+    for key, value in settings.items():
+        if not isinstance(value, dict):
+            flat[key] = value
+            continue
+        if key not in _SECTION_CLASSES:
+            raise ConfigError(f"{where}: [{key}] is not a section of ddptrain's settings; the sections are "
+                              f"{', '.join(_SECTION_CLASSES)} (or write its keys at the top, such as max-epochs = 5)")
+        for name, inner in value.items():
+            owner = SECTION_OF.get(setting_name(name))
+            if owner is not None and owner != key:
+                raise ConfigError(f"{where}: {name} is a setting of [{owner}], not of [{key}]; move it there")
+            if name in flat:  # (other spellings of one setting: from_options names them)
+                raise ConfigError(f"{where}: {name} is given twice, at the top and in [{key}]; keep one")
+            flat[name] = inner  # (a name no section has: from_options names it, with its nearest)
+    return flat

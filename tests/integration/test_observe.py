@@ -69,7 +69,7 @@ def test_lr_follows_schedule_formula():
         ("linear", lambda p: 1 - p),
     ]:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        scheduler = build_scheduler(optimizer, RunConfig(lr_schedule=schedule, warmup_steps=warmup), total)
+        scheduler = build_scheduler(optimizer, RunConfig(lr_schedule=schedule, warmup_steps=warmup).optim, total)
         for step in range(total):
             expected = 0.1 * ((step + 1) / warmup if step < warmup else formula((step - warmup) / (total - warmup)))
             assert optimizer.param_groups[0]["lr"] == pytest.approx(expected), (schedule, step)

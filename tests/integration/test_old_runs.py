@@ -13,7 +13,8 @@ import shutil
 
 from helpers.commands import TESTS, assert_ok, assert_same_weights, ddptrain_cli, load_model, read_metrics
 
-FLAGS = ["train", "--task", "digits", "--optimizer", "adamw", "--ema", "0.9", "--keep-best", "eval_loss", "--log-every", "5"]
+FLAGS = ["train", "--task", "digits", "--optimizer", "adamw", "--ema", "0.9", "--keep-best", "eval_loss",
+         "--log-every", "5"]
 OLD_RUN = TESTS / "data" / "run-0.5"
 NAME = "runs/digits-94d8ac2f"  # the default run dir 0.5 gave this command
 

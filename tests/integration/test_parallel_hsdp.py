@@ -33,7 +33,7 @@ def _placements(rank, world):
                       device=torch.device("cpu"), backend="gloo")
     cfg = RunConfig(task="digits", strategy="hsdp", replicas=2)
     task = digits_task(cfg)
-    model = make_strategy(cfg, ctx).wrap(task.model, task)
+    model = make_strategy(cfg.parallel, ctx).wrap(task.model, task)
     weight = next(model.parameters())
     placements = [(p.is_replicate(), p.is_shard(0)) for p in weight.placements]
     return tuple(weight.device_mesh.shape), placements, tuple(weight.to_local().shape)
@@ -54,7 +54,7 @@ def test_the_default_is_one_replica_group_per_node():
     def replicas(world, per_node, rank=0, **options):
         ctx = DistContext(rank=rank, world_size=world, local_rank=rank % per_node, local_world_size=per_node,
                           device=torch.device("cpu"), backend="gloo")
-        strategy = HSDPStrategy(RunConfig(task="digits", strategy="hsdp", **options), ctx)
+        strategy = HSDPStrategy(RunConfig(task="digits", strategy="hsdp", **options).parallel, ctx)
         return strategy.replicas, strategy.counts_gradients
     assert replicas(8, 4) == (2, True) and replicas(8, 4, rank=4) == (2, False)  # 2 nodes of 4
     assert replicas(4, 4) == (1, True) and replicas(8, 4, replicas=4, rank=3) == (4, False)

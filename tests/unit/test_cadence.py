@@ -13,7 +13,9 @@ def cadence(steps_per_epoch: int | None = 10, evaluates: bool = True, early: lis
             **options) -> tuple[Cadence, Progress]:
     progress = Progress(steps_per_epoch=steps_per_epoch)
     stopped = early if early is not None else [False]
-    return Cadence(RunConfig(**options), progress, evaluates, stopped_early=lambda: stopped[0]), progress
+    cfg = RunConfig(**options)
+    return Cadence(cfg.training, cfg.evaluation, cfg.save_every, progress, evaluates,
+                   stopped_early=lambda: stopped[0]), progress
 
 
 def run_to(progress: Progress, global_step: int) -> None:
@@ -191,5 +193,7 @@ def test_the_last_step_is_the_nearer_limit():
     from ddptrain.progress import Cadence, Progress
 
     def last(**limits):
-        return Cadence(RunConfig(**limits), Progress(steps_per_epoch=32), evaluates=False).last_step(32)
+        cfg = RunConfig(**limits)
+        return Cadence(cfg.training, cfg.evaluation, cfg.save_every, Progress(steps_per_epoch=32),
+                       evaluates=False).last_step(32)
     assert (last(max_epochs=3), last(max_steps=50), last(max_epochs=1, max_steps=50)) == (96, 50, 32)

@@ -10,6 +10,7 @@ from ddptrain import ConfigError, RunConfig
 from ddptrain.api import prepare
 from ddptrain.cli import build_parser, given_options
 from ddptrain.config import default_run_dir
+from ddptrain.sections import SECTIONS
 from ddptrain.tasks.protocol import check_loss, check_pair, split_loss
 
 
@@ -61,7 +62,7 @@ def test_default_run_dir_is_stable_for_the_same_settings_and_distinct_for_others
 
 def test_config_json_records_every_setting():
     recorded = json.loads(RunConfig().to_json())
-    assert set(recorded) == {f.name for f in dataclasses.fields(RunConfig)}
+    assert set(recorded) == {f.name for section in SECTIONS for f in dataclasses.fields(section)}
 
 
 @pytest.mark.parametrize("options,words", [
@@ -120,9 +121,10 @@ def test_torchft_replica_groups_share_the_data_and_count_in_the_global_batch():
     validate(cfg)
     ctx = DistContext(rank=1, world_size=2, local_rank=1, local_world_size=2, device=torch.device("cpu"),
                       backend="gloo")
-    data = data_context(cfg, ctx)
+    data = data_context(cfg.resilience, ctx)
     assert (data.rank, data.world_size) == (3, 6)  # group 1's rank 1 of 3 groups of 2
-    assert (data_context(RunConfig(), ctx).rank, data_context(RunConfig(), ctx).world_size) == (1, 2)
+    alone = data_context(RunConfig().resilience, ctx)
+    assert (alone.rank, alone.world_size) == (1, 2)
     assert cfg.global_batch(2) == 4 * 2 * 2 * 3 and RunConfig(batch_size=4).global_batch(2) == 8
     assert default_run_dir(cfg) != default_run_dir(dataclasses.replace(cfg, replica_group=0))  # a folder per group
     for bad, message in ((dict(replica_groups=0), "--replica-groups must be at least 1"),

@@ -32,7 +32,7 @@ class Meeting:
 def _sync(meeting: Meeting, kind: str = "diloco", **options) -> tuple[SemiSync, torch.nn.Parameter]:
     weight = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     cfg = RunConfig(sync=kind, sync_every=2, fault_tolerance="torchft", replica_groups=2, **options)
-    return SemiSync(cfg, [weight], CollectiveMarks(), groups=meeting), weight
+    return SemiSync(cfg.parallel, [weight], CollectiveMarks(), groups=meeting), weight
 
 
 def _train(weight: torch.nn.Parameter, change: list[float]) -> None:

@@ -17,7 +17,7 @@ from ddptrain.data import eval_subset
 from ddptrain.observe.report import config_json, console_line, curve_series, summarize
 from ddptrain.observe.step_records import StepWindow, add_rows, window_figures
 from ddptrain.observe.tracking import metrics_of, params_of
-from ddptrain.optim import build_schedule, describe_optimizer, lr_factor
+from ddptrain.optim import build_schedule, describe_optimizer, lr_factor, run_steps
 from ddptrain.settings import from_options, read_settings_file
 
 
@@ -68,7 +68,8 @@ def test_cosine_and_linear_decay_to_the_floor():
     assert linear(5) == pytest.approx(0.6) and linear(10) == pytest.approx(0.2)
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    schedule = build_schedule(optimizer, RunConfig(lr=0.5, lr_schedule="cosine", min_lr=0.05, max_steps=4), None)
+    cfg = RunConfig(lr=0.5, lr_schedule="cosine", min_lr=0.05, max_steps=4)
+    schedule = build_schedule(optimizer, cfg.optim, run_steps(cfg.training, None))
     for _ in range(4):
         optimizer.step()
         schedule.step()
@@ -80,11 +81,14 @@ def test_a_tasks_schedule_replaces_the_flags_and_refuses_them_beside_it():
 
     def make(opt, total):
         return torch.optim.lr_scheduler.StepLR(opt, step_size=total)
-    assert isinstance(build_schedule(optimizer, RunConfig(max_steps=8), None, make), torch.optim.lr_scheduler.StepLR)
+    def schedule(**options):
+        cfg = RunConfig(**options)
+        return build_schedule(optimizer, cfg.optim, run_steps(cfg.training, None), make)
+    assert isinstance(schedule(max_steps=8), torch.optim.lr_scheduler.StepLR)
     with pytest.raises(ConfigError, match="make_scheduler"):
-        build_schedule(optimizer, RunConfig(max_steps=8, min_lr=0.1), None, make)
+        schedule(max_steps=8, min_lr=0.1)
     with pytest.raises(ConfigError, match="--max-steps"):
-        build_schedule(optimizer, RunConfig(max_epochs=2), None, make)  # a stream: no length
+        schedule(max_epochs=2)  # a stream: no length
 
 
 def test_betas_and_eps_reach_adamw_and_bad_ones_are_one_line():
@@ -162,15 +166,15 @@ def test_config_json_says_what_was_built_and_reads_back_as_settings(tmp_path):
     unused = unset_settings(given, OPTIMIZER_SETTINGS)
     assert unused == ("optimizer", "weight_decay", "betas", "eps")
     cfg = given.with_task_defaults({})
-    written = json.loads(config_json(cfg, built, unused))
+    written = json.loads(config_json(cfg.settings(), built, unused))
     groups = written["built"]["optimizer"]["param_groups"]
     assert written["built"]["optimizer"]["class"] == "AdamW" and written["built"]["scheduler"]["class"] == "LambdaLR"
     assert [(g["weight_decay"], g["betas"], g["lr"], g["parameters"]) for g in groups] == [
         (0.1, [0.9, 0.95], 3e-3, 8), (0.0, [0.9, 0.95], 3e-3, 2)]  # lr: the schedule's base
     assert written["optimizer"] is None and written["weight_decay"] is None and written["betas"] is None
     assert written["momentum"] == 0.5 and written["lr"] == 1e-3
-    assert json.loads(config_json(cfg, built))["optimizer"] == "sgd"
-    (tmp_path / "config.json").write_text(config_json(cfg, built, unused))
+    assert json.loads(config_json(cfg.settings(), built))["optimizer"] == "sgd"
+    (tmp_path / "config.json").write_text(config_json(cfg.settings(), built, unused))
     settings = read_settings_file(tmp_path / "config.json")
     assert "built" not in settings and from_options({k: v for k, v in settings.items() if v is not None})
     params = params_of(written)

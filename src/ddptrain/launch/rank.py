@@ -12,7 +12,6 @@ once (failures.hard_exit).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import gc
 import os
@@ -310,7 +309,7 @@ def own_restart(cfg: RunConfig) -> RunConfig:
     a restart of the same job resumes from the snapshots the job wrote (else every restart began
     again at step 0, and --max-restarts only redid the work)."""
     if cfg.resume == "never" and restarts_of_this_job():
-        return dataclasses.replace(cfg, resume="auto")
+        return cfg.replace(resume="auto")
     return cfg
 
 

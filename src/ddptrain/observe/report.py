@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..config import BUILT, RunConfig
+from ..config import BUILT
 from ..console import say
+from ..sections import ObservationSettings
 from .goodput import Timeline, goodput_figures
 from .tracking import Tracking
 
@@ -54,45 +56,44 @@ TRACKER_WAIT_S = 10.0
 class Reporter:
     """Rank 0's reporting: console lines, progress bar, metrics.jsonl, the trackers, the summary."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, uploads: Any = None) -> None:
+    def __init__(self, observe: ObservationSettings, run_dir: Path, uploads: Any = None) -> None:
         """``uploads``: a run dir on a store (``run_dir`` its local mirror): its uploads.Uploader,
         which takes the run's files up too."""
-        self.cfg, self.run_dir, self.uploads = cfg, Path(run_dir), uploads
+        self.settings, self.run_dir, self.uploads = observe, Path(run_dir), uploads
         self.bar: Any = None
         self.tracking: Tracking | None = None
         self.timeline = Timeline(self.run_dir)  # goodput.py: begun by rank 0's begin() alone
 
-    def begin(self, cfg: RunConfig, resumed_at: tuple[int, int] | None, world_size: int = 1,
+    def begin(self, settings: Mapping[str, Any], resumed_at: tuple[int, int] | None, world_size: int = 1,
               built: dict[str, Any] | None = None, unused: tuple[str, ...] = ()) -> None:
-        """The run's settings as really used (config.json, with ``built``: the optimizer and schedule
+        """The run's ``settings`` as really used (config.json, with ``built``: the optimizer and schedule
         as built; ``unused``: settings null there, the optimizer's that the user left unset where the
         task built its own); on resume at ``(global step, epoch)``, forget metrics logged after the snapshot
         (those steps run again and log again). The attempt's timeline begins: what follows is
         training (goodput.py)."""
-        self.cfg = cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(config_json(cfg, built, unused))
+        (self.run_dir / "config.json").write_text(config_json(settings, built, unused))
         kept: list[dict[str, Any]] = []
         if resumed_at is not None:
             kept = [r for r in read_metrics(self.run_dir) if kept_on_resume(r, *resumed_at)]
             (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.timeline.begin(resumed_at[0] if resumed_at else 0, world_size)
         self._upload("config.json", "metrics.jsonl", "timeline.jsonl")
-        if cfg.trackers():
+        if self.settings.trackers():
             from .trackers import make_trackers
 
-            self.tracking = Tracking(make_trackers(cfg), self.run_dir)
-            settings = json.loads((self.run_dir / "config.json").read_text())
-            self.tracking.begin(settings, kept)  # what a tracker lacks of them, first
+            self.tracking = Tracking(make_trackers(self.settings.trackers()), self.run_dir)
+            recorded = json.loads((self.run_dir / "config.json").read_text())
+            self.tracking.begin(recorded, kept)  # what a tracker lacks of them, first
 
     def catch_up(self) -> None:
         """A finished run found again (the same command): each tracker gets what it lacks of the
         run's records (a kill during the run's end, while the trackers finished, leaves them short)."""
-        if not self.cfg.trackers():
+        if not self.settings.trackers():
             return
         from .trackers import make_trackers
 
-        tracking = Tracking(make_trackers(self.cfg), self.run_dir)
+        tracking = Tracking(make_trackers(self.settings.trackers()), self.run_dir)
         tracking.begin(json.loads((self.run_dir / "config.json").read_text()), read_metrics(self.run_dir))
         tracking.end("finished", [self.run_dir / name for name in ("config.json", "curves.png")],
                      summarize(self.run_dir), wait_s=TRACKER_WAIT_S)
@@ -111,7 +112,7 @@ class Reporter:
     # --- progress bar ------------------------------------------------------------------------
     def epoch_started(self, epoch: int, steps: int | None, done: int) -> None:
         """``steps``: the epoch's optimizer steps (None: a stream's, unknown)."""
-        show = self.cfg.progress if self.cfg.progress is not None else sys.stderr.isatty()
+        show = self.settings.progress if self.settings.progress is not None else sys.stderr.isatty()
         if not show:
             return
         try:
@@ -184,7 +185,7 @@ class Reporter:
             self._record({"kind": "goodput", "step": step, **figures})
         summary = summarize(self.run_dir)
         self.info(format_summary(summary))
-        if self.cfg.plot:
+        if self.settings.plot:
             self.info(plot_curves(self.run_dir) or f"curves: {self.run_dir / 'curves.png'}")
         self.close("finished", summary)
 
@@ -207,12 +208,12 @@ class Reporter:
 class NullReporter(Reporter):
     """Every rank but 0: reports nothing."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
-        super().__init__(cfg, run_dir)
+    def __init__(self, observe: ObservationSettings, run_dir: Path) -> None:
+        super().__init__(observe, run_dir)
 
-    def begin(self, cfg: RunConfig, resumed_at: tuple[int, int] | None, world_size: int = 1,
+    def begin(self, settings: Mapping[str, Any], resumed_at: tuple[int, int] | None, world_size: int = 1,
               built: dict[str, Any] | None = None, unused: tuple[str, ...] = ()) -> None:
-        self.cfg = cfg
+        pass
 
     def info(self, message: str) -> None:
         pass
@@ -328,12 +329,11 @@ def plot_curves(run_dir: Path) -> str | None:
     return None
 
 
-def config_json(cfg: RunConfig, built: dict[str, Any] | None, unused: tuple[str, ...] = ()) -> str:
-    """config.json: the settings as used, and ``built``, the optimizer and schedule as built (its
-    class and every parameter group's hyper-parameters). ``unused``: settings written as null
-    rather than their defaults (the optimizer's, where the task built its own)."""
-    settings = json.loads(cfg.to_json())
-    settings.update(dict.fromkeys(unused))
+def config_json(settings: Mapping[str, Any], built: dict[str, Any] | None, unused: tuple[str, ...] = ()) -> str:
+    """config.json: the settings as used (RunConfig.settings(), flat), and ``built``, the optimizer and
+    schedule as built (its class and every parameter group's hyper-parameters). ``unused``: settings
+    written as null rather than their defaults (the optimizer's, where the task built its own)."""
+    settings = {**settings, **dict.fromkeys(unused)}
     if built is not None:
         settings[BUILT] = built
     return json.dumps(settings, indent=2, sort_keys=True) + "\n"

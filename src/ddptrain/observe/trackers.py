@@ -16,7 +16,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ..config import RunConfig
 from ..console import say
 from ..errors import ConfigError
 from .tracking import Tracker
@@ -66,8 +65,9 @@ def mlflow_uri_problem(uri: str) -> str | None:
     return f"unknown scheme {parts.scheme!r}"
 
 
-def make_trackers(cfg: RunConfig) -> list[Tracker]:
-    return [KINDS[name]() for name in cfg.trackers()]
+def make_trackers(names: list[str]) -> list[Tracker]:
+    """The trackers named (ObservationSettings.trackers())."""
+    return [KINDS[name]() for name in names]
 
 
 def tracker_named(name: str) -> Tracker:

@@ -5,13 +5,19 @@ precision; DDP's comm hooks."""
 from __future__ import annotations
 
 from ..comm import DistContext
-from ..config import RunConfig
+from ..sections import ParallelSettings
 from .base import Strategy
 
 
-def make_strategy(cfg: RunConfig, ctx: DistContext) -> Strategy:
-    if cfg.strategy in ("fsdp", "hsdp"):
+def make_strategy(parallel: ParallelSettings, ctx: DistContext, precision: str = "fp32",
+                  torchft: bool = False) -> Strategy:
+    """The strategy of ``parallel`` (--strategy and its knobs), with --precision and whether this job
+    is one of torchft's replica groups (whose --sync meetings are torchft's, not a mesh of its ranks)."""
+    kind: type[Strategy]
+    if parallel.strategy in ("fsdp", "hsdp"):
         from .fsdp import FSDPStrategy, HSDPStrategy  # FSDP2's imports only for these runs
-        return HSDPStrategy(cfg, ctx) if cfg.strategy == "hsdp" else FSDPStrategy(cfg, ctx)
-    from .ddp import DDPStrategy
-    return DDPStrategy(cfg, ctx)
+        kind = HSDPStrategy if parallel.strategy == "hsdp" else FSDPStrategy
+    else:
+        from .ddp import DDPStrategy
+        kind = DDPStrategy
+    return kind(parallel, ctx, precision, torchft)

@@ -21,8 +21,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..comm import DistContext
-from ..config import RunConfig
 from ..errors import ConfigError
+from ..sections import ParallelSettings
 from ..tasks.protocol import Task
 from .averaging import WeightAverage
 from .precision import autocast_dtype
@@ -90,11 +90,11 @@ def return_large_buffers_to_os() -> None:
         pass
 
 
-def replica_groups(cfg: RunConfig, ctx: DistContext) -> tuple[int, int]:
+def replica_groups(parallel: ParallelSettings, ctx: DistContext) -> tuple[int, int]:
     """(groups, ranks per group) of --replicas (hsdp's groups, --sync's): one group per node
     unless --replicas says how many; consecutive ranks, so a group is a node by default.
     ConfigError when the count does not divide the ranks."""
-    replicas = cfg.replicas or max(1, ctx.world_size // ctx.local_world_size)
+    replicas = parallel.replicas or max(1, ctx.world_size // ctx.local_world_size)
     if ctx.world_size % replicas:
         raise ConfigError(f"--replicas {replicas} does not divide the {ctx.world_size} ranks into equal "
                           "groups; choose a divisor of the number of ranks")
@@ -111,15 +111,16 @@ class Strategy:
 
     snapshot_format = "file"  # one file by rank 0; "dcp": a folder every rank writes its shards to
 
-    def __init__(self, cfg: RunConfig, ctx: DistContext) -> None:
-        self.cfg, self.ctx = cfg, ctx
+    def __init__(self, parallel: ParallelSettings, ctx: DistContext, precision: str = "fp32",
+                 torchft: bool = False) -> None:
+        self.parallel, self.ctx, self.precision, self.torchft = parallel, ctx, precision, torchft
         # Whether this rank's gradients count in the gradient's norm: the ranks that do hold each
         # element once (ddp: rank 0's whole gradients; fsdp: every rank's shards; hsdp: the
         # shards of the first replica group).
         self.counts_gradients = ctx.is_main
         self.forward_syncs = False  # whether the forward pass itself holds a collective
         self.shares_buffers = False  # the model has buffers and other ranks to share them with
-        if cfg.lean_cpu_memory and ctx.device.type == "cpu":
+        if parallel.lean_cpu_memory and ctx.device.type == "cpu":
             return_large_buffers_to_os()
 
     def wrap(self, module: torch.nn.Module, task: Task) -> torch.nn.Module:
@@ -138,7 +139,7 @@ class Strategy:
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """``--precision bf16|fp16`` as autocast around the forward pass and the loss."""
-        dtype = autocast_dtype(self.cfg.precision)
+        dtype = autocast_dtype(self.precision)
         return torch.autocast(self.ctx.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
     def broadcast_buffers(self, module: torch.nn.Module) -> None:

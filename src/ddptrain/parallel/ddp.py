@@ -25,17 +25,17 @@ class DDPStrategy(Strategy):
         """DDP across ranks (inside each replica group under --sync local-sgd|diloco)."""
         module.to(self.ctx.device)
         self.shares_buffers = self.ctx.world_size > 1 and any(True for _ in module.buffers())
-        if self.cfg.activation_checkpointing:
+        if self.parallel.activation_checkpointing:
             blocks = find_blocks(module, task)
             if not blocks:
                 raise no_blocks_error("--activation-checkpointing")
             checkpoint_blocks(module, blocks)
-        model: torch.nn.Module = torch.compile(module) if self.cfg.compile else module  # type: ignore[assignment]  # compile's stub says callable; a module's is one
+        model: torch.nn.Module = torch.compile(module) if self.parallel.compile else module  # type: ignore[assignment]  # compile's stub says callable; a module's is one
         # Every rank's gradients meet (group None), unless this job's ranks are replica groups that
         # sync every --sync-every steps (under torchft, each group is a job of its own: all of this one).
         group, alone = None, self.ctx.world_size == 1
-        if self.cfg.sync != "every-step" and self.cfg.fault_tolerance != "torchft":
-            self.replica_mesh = ReplicaMesh(self.cfg, self.ctx)
+        if self.parallel.sync != "every-step" and not self.torchft:
+            self.replica_mesh = ReplicaMesh(self.parallel, self.ctx)
             group, alone = self.replica_mesh.inside, self.replica_mesh.size == 1
         if alone:  # nobody to talk to every step: DDP would only add its overhead
             return model
@@ -45,12 +45,12 @@ class DDPStrategy(Strategy):
             device_ids=[self.ctx.device] if self.ctx.device.type == "cuda" else None,
             gradient_as_bucket_view=True,
             forward_sync_buffers=False,  # the Trainer shares rank 0's buffers once per step (broadcast_buffers)
-            static_graph=self.cfg.static_graph,
-            find_unused_parameters=self.cfg.find_unused_parameters,
-            **({"bucket_cap_mb": self.cfg.bucket_cap_mb} if self.cfg.bucket_cap_mb else {}),  # type: ignore[arg-type]  # one keyword, not DDP's every parameter
+            static_graph=self.parallel.static_graph,
+            find_unused_parameters=self.parallel.find_unused_parameters,
+            **({"bucket_cap_mb": self.parallel.bucket_cap_mb} if self.parallel.bucket_cap_mb else {}),  # type: ignore[arg-type]  # one keyword, not DDP's every parameter
         )
-        register_comm_hook(ddp, self.cfg.comm_hook)
-        self.needs_every_gradient = not (self.cfg.find_unused_parameters or self.cfg.static_graph)
+        register_comm_hook(ddp, self.parallel.comm_hook)
+        self.needs_every_gradient = not (self.parallel.find_unused_parameters or self.parallel.static_graph)
         return ddp
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:

@@ -24,8 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..comm import DistContext
-from ..config import RunConfig
 from ..console import say
+from ..sections import ParallelSettings
 from ..tasks.protocol import Task
 from .base import Strategy, checkpoint_blocks, find_blocks, no_blocks_error, replica_groups
 from .precision import autocast_dtype
@@ -34,8 +34,9 @@ from .precision import autocast_dtype
 class FSDPStrategy(Strategy):
     snapshot_format = "dcp"
 
-    def __init__(self, cfg: RunConfig, ctx: DistContext) -> None:
-        super().__init__(cfg, ctx)
+    def __init__(self, parallel: ParallelSettings, ctx: DistContext, precision: str = "fp32",
+                 torchft: bool = False) -> None:
+        super().__init__(parallel, ctx, precision, torchft)
         self.counts_gradients = True  # each rank's shards: a part of every gradient no other rank holds
         self.forward_syncs = True  # every block's forward all-gathers its parameters
 
@@ -49,19 +50,19 @@ class FSDPStrategy(Strategy):
         self.shares_buffers = self.ctx.world_size > 1 and any(True for _ in module.buffers())
         blocks = find_blocks(module, task)
         if not blocks and self.ctx.is_main:  # the root alone: correct, but gathered whole in every forward
-            say(f"ddptrain: --strategy {self.cfg.strategy}: the model has no ModuleList or Sequential with "
+            say(f"ddptrain: --strategy {self.parallel.strategy}: the model has no ModuleList or Sequential with "
                 "parameters, so it is sharded as one unit (gathered whole for each forward); name its blocks "
                 "with Task.blocks to gather one at a time")
-        if self.cfg.activation_checkpointing:
+        if self.parallel.activation_checkpointing:
             if not blocks:
                 raise no_blocks_error("--activation-checkpointing")
             checkpoint_blocks(module, blocks)
             blocks = find_blocks(module, task) if task.blocks is None else blocks
-        dtype = autocast_dtype(self.cfg.precision)
+        dtype = autocast_dtype(self.precision)
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
         mesh = self.mesh()
         for block in blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=policy)
+            fully_shard(block, mesh=mesh, reshard_after_forward=self.parallel.reshard_after_forward, mp_policy=policy)
         # The root keeps its parameters gathered from forward to backward (torch's default for it:
         # the backward needs them at once); resharding it too cost an all-gather per micro-batch.
         # The model's output in fp32, as the loss sees it under DDP's autocast: the loss runs on the
@@ -70,7 +71,7 @@ class FSDPStrategy(Strategy):
         root_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=policy.reduce_dtype,
                                            output_dtype=torch.float32 if dtype else None)
         fully_shard(module, mesh=mesh, reshard_after_forward=None, mp_policy=root_policy)
-        return torch.compile(module) if self.cfg.compile else module  # type: ignore[return-value]  # compile's stub says callable; a module's is one
+        return torch.compile(module) if self.parallel.compile else module  # type: ignore[return-value]  # compile's stub says callable; a module's is one
 
     def mesh(self) -> DeviceMesh | None:
         """fsdp: None, fully_shard's default (one dimension over every rank)."""
@@ -120,9 +121,10 @@ class HSDPStrategy(FSDPStrategy):
     the gradients' shards cross between groups. Snapshots are DCP folders as for fsdp, of the
     same global tensors: they resume under fsdp, ddp or another R."""
 
-    def __init__(self, cfg: RunConfig, ctx: DistContext) -> None:
-        super().__init__(cfg, ctx)
-        self.replicas, self.group_size = replica_groups(cfg, ctx)  # one per node by default
+    def __init__(self, parallel: ParallelSettings, ctx: DistContext, precision: str = "fp32",
+                 torchft: bool = False) -> None:
+        super().__init__(parallel, ctx, precision, torchft)
+        self.replicas, self.group_size = replica_groups(parallel, ctx)  # one per node by default
         self.counts_gradients = ctx.rank < self.group_size  # the first group's shards; the others repeat them
 
     def mesh(self) -> DeviceMesh | None:

@@ -36,8 +36,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
 from ..comm import CollectiveMarks, DistContext
-from ..config import RunConfig
 from ..errors import ConfigError
+from ..sections import ParallelSettings
 from .base import replica_groups
 
 SYNC = "the replica groups' sync (--sync {kind})"
@@ -47,11 +47,11 @@ class ReplicaMesh:
     """The groups: ``replicas`` groups of ``size`` consecutive ranks; ``inside`` is this rank's
     group's process group, ``across`` the one joining it to the same place in the other groups."""
 
-    def __init__(self, cfg: RunConfig, ctx: DistContext) -> None:
-        self.replicas, self.size = replica_groups(cfg, ctx)  # one per node by default
+    def __init__(self, parallel: ParallelSettings, ctx: DistContext) -> None:
+        self.replicas, self.size = replica_groups(parallel, ctx)  # one per node by default
         if self.replicas < 2:
-            raise ConfigError(f"--sync {cfg.sync} needs 2 or more replica groups, and this job has one (one per node "
-                              "by default); run on several nodes, or set --replicas R to split the ranks")
+            raise ConfigError(f"--sync {parallel.sync} needs 2 or more replica groups, and this job has one (one per "
+                              "node by default); run on several nodes, or set --replicas R to split the ranks")
         self.index = ctx.rank // self.size  # this rank's group
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -77,10 +77,10 @@ class SemiSync:
     brings zeros, and the mean is over the groups that trained. A meeting not committed (a group
     failed in it) takes every group back to the anchor."""
 
-    def __init__(self, cfg: RunConfig, params: list[torch.nn.Parameter], marks: CollectiveMarks,
+    def __init__(self, parallel: ParallelSettings, params: list[torch.nn.Parameter], marks: CollectiveMarks,
                  mesh: ReplicaMesh | None = None, groups: GroupsMeeting | None = None) -> None:
-        self.kind, self.mesh, self.groups, self.marks = cfg.sync, mesh, groups, marks
-        self.every, outer_lr, momentum = cfg.sync_settings
+        self.kind, self.mesh, self.groups, self.marks = parallel.sync, mesh, groups, marks
+        self.every, outer_lr, momentum = parallel.sync_settings
         if self.kind == "local-sgd":
             outer_lr, momentum = 1.0, 0.0
         self.params = [p for p in params if p.requires_grad]  # frozen ones (LoRA's base) never differ

@@ -16,7 +16,6 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 
-from ..config import RunConfig
 from ..errors import ConfigError
 
 
@@ -77,9 +76,9 @@ def read_dashboard(address: str, page: str = "/", timeout_s: float = 5.0) -> str
         return answer.read(1 << 20).decode(errors="replace")
 
 
-def lighthouse_address(cfg: RunConfig) -> str:
+def lighthouse_address(lighthouse: str) -> str:
     """``--lighthouse``, else TORCHFT_LIGHTHOUSE (``http://HOST:PORT``; ``HOST:PORT`` too)."""
-    address = cfg.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+    address = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
     if not address:
         raise ConfigError("--fault-tolerance torchft needs the lighthouse's address: give --lighthouse "
                           "http://HOST:PORT or set TORCHFT_LIGHTHOUSE (ddptrain lighthouse starts one)")
@@ -90,7 +89,7 @@ def lighthouse_address(cfg: RunConfig) -> str:
     except ValueError:
         port = None
     if where.scheme not in ("http", "https") or not where.hostname or port is None:
-        raise ConfigError(f"--lighthouse {cfg.lighthouse or address}: not a lighthouse's address; give "
+        raise ConfigError(f"--lighthouse {lighthouse or address}: not a lighthouse's address; give "
                           "http://HOST:PORT (`ddptrain lighthouse` prints it)")
     return address
 
@@ -98,11 +97,11 @@ def lighthouse_address(cfg: RunConfig) -> str:
 LIGHTHOUSE_CHECK_S = 5.0  # the start's wait for the lighthouse's answer
 
 
-def check_lighthouse(cfg: RunConfig) -> None:
+def check_lighthouse(lighthouse: str) -> None:
     """Before any rank starts: a torchft lighthouse answers at the address, one line if not: none
     listens, something listens but never answers, or what answers is no lighthouse (its dashboard,
     the page a lighthouse serves at ``/``, is missing)."""
-    address = lighthouse_address(cfg)
+    address = lighthouse_address(lighthouse)
     start = "start one (ddptrain lighthouse) or give its address"
     try:
         page = read_dashboard(address, timeout_s=LIGHTHOUSE_CHECK_S)

@@ -52,9 +52,8 @@ import torch
 from torch.distributed import ReduceOp
 
 from ..comm import DistContext, broadcast_object
-from ..config import RunConfig
 from ..errors import ConfigError, LighthouseLost
-from ..run_dir import RunDir
+from ..sections import ResilienceSettings
 from .lighthouse import LIGHTHOUSE_CHECK_S, LighthouseWatch, lighthouse_address, quiet_torchft, read_dashboard
 from .siblings import SiblingWatch
 
@@ -78,11 +77,12 @@ def torchft_logs_to(path: Path) -> None:
     logger.propagate = False
 
 
-def data_context(cfg: RunConfig, ctx: DistContext) -> DistContext:
+def data_context(resilience: ResilienceSettings, ctx: DistContext) -> DistContext:
     """The rank and world the training data is shared over: group G's rank r reads rank
     G·W + r's share of N·W."""
-    groups = cfg.replica_groups if cfg.fault_tolerance == "torchft" else 1
-    group = cfg.replica_group if cfg.fault_tolerance == "torchft" else 0
+    torchft = resilience.fault_tolerance == "torchft"
+    groups = resilience.replica_groups if torchft else 1
+    group = resilience.replica_group if torchft else 0
     return dataclasses.replace(ctx, rank=group * ctx.world_size + ctx.rank, world_size=groups * ctx.world_size)
 
 
@@ -125,10 +125,13 @@ class _QuorumSeen:
 class ReplicaGroups:
     """This rank's part in the groups' per-step agreement (torchft's Manager)."""
 
-    def __init__(self, cfg: RunConfig, ctx: DistContext, state_dict: Callable[[], dict[str, Any]],
-                 load_state_dict: Callable[[dict[str, Any]], None], info: Callable[[str], None]) -> None:
+    def __init__(self, resilience: ResilienceSettings, fingerprint: dict[str, Any], run_dir: Path, ctx: DistContext,
+                 state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None],
+                 info: Callable[[str], None]) -> None:
+        """``fingerprint``: the run's math settings (RunConfig.math_fingerprint): only groups that share
+        them meet; ``run_dir``: the run dir's folder on this machine (its logs/ and pids/)."""
         quiet_torchft()
-        torchft_logs_to(RunDir.of(cfg.run_dir).local / "logs" / f"rank-{ctx.rank}.torchft")
+        torchft_logs_to(run_dir / "logs" / f"rank-{ctx.rank}.torchft")
         from torchft.process_group import ProcessGroupGloo
 
         # torchft's PGTransport reads the received state with torch.frombuffer and torch's pytree
@@ -136,17 +139,17 @@ class ReplicaGroups:
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
         warnings.filterwarnings("ignore", "`isinstance\\(treespec, LeafSpec\\)` is deprecated", FutureWarning)
 
-        self.groups, self.group, self.info = cfg.replica_groups, cfg.replica_group, info
+        self.groups, self.group, self.info = resilience.replica_groups, resilience.replica_group, info
         self.is_main = ctx.is_main
-        self.address = lighthouse_address(cfg)
-        settings = json.dumps(cfg.math_fingerprint(ctx.world_size), sort_keys=True, default=str)
-        self.replica_id = f"group{cfg.replica_group}.{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
+        self.address = lighthouse_address(resilience.lighthouse)
+        settings = json.dumps(fingerprint, sort_keys=True, default=str)
+        self.replica_id = f"group{self.group}.{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
         self._load_state = load_state_dict
-        self.timeout_s = cfg.timeout
-        self.pg = _quorum_keyed(ProcessGroupGloo)(timeout=timedelta(seconds=cfg.timeout))
+        self.timeout_s = resilience.timeout
+        self.pg = _quorum_keyed(ProcessGroupGloo)(timeout=timedelta(seconds=self.timeout_s))
         address = self.address
         try:
-            self.manager = self._manager(cfg, ctx, state_dict, address)
+            self.manager = self._manager(ctx, state_dict, address)
             self.manager._client = _QuorumSeen(self.manager._client, self.pg)
         except RuntimeError as error:
             if "failed to connect" not in str(error):
@@ -161,16 +164,15 @@ class ReplicaGroups:
         self.committed = True  # the last step was taken by every member
         self.samples_skipped = 0
         self.unmet_samples = 0  # --sync local-sgd|diloco: the samples trained since the groups last met
-        self.watch = LighthouseWatch(self.address, info, cfg.timeout) if ctx.is_main else None
+        self.watch = LighthouseWatch(self.address, info, self.timeout_s) if ctx.is_main else None
         # (every rank wrote its pid file before the process group formed)
-        self.siblings = SiblingWatch(RunDir.of(cfg.run_dir).local / "pids", ctx.rank) if ctx.world_size > 1 else None
+        self.siblings = SiblingWatch(run_dir / "pids", ctx.rank) if ctx.world_size > 1 else None
 
-    def _manager(self, cfg: RunConfig, ctx: DistContext, state_dict: Callable[[], dict[str, Any]],
-                 address: str) -> Any:
+    def _manager(self, ctx: DistContext, state_dict: Callable[[], dict[str, Any]], address: str) -> Any:
         from torchft.checkpointing.pg_transport import PGTransport
         from torchft.manager import Manager
 
-        timeout = timedelta(seconds=cfg.timeout)
+        timeout = timedelta(seconds=self.timeout_s)
         return Manager(
             pg=self.pg, load_state_dict=self._healed, state_dict=state_dict, min_replica_size=1,
             use_async_quorum=False, replica_id=self.replica_id, lighthouse_addr=address,
@@ -179,7 +181,7 @@ class ReplicaGroups:
             # torchft gives up on a quorum at once when the lighthouse is gone (and the quorum then
             # hangs until --timeout): asked again every QUORUM_RETRY_S, reconnecting each time, a
             # group finds a lighthouse restarted on the address and trains on
-            quorum_retries=max(1, round(cfg.timeout / QUORUM_RETRY_S)),
+            quorum_retries=max(1, round(self.timeout_s / QUORUM_RETRY_S)),
             # a recovering group receives the live state through the groups' own process group
             checkpoint_transport=PGTransport(self.pg, timeout=timeout, device=ctx.device),
             init_sync=False,  # ddptrain seeds the initial weights: every group starts with the same

@@ -22,8 +22,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..config import RunConfig, watched_metric
 from ..errors import ConfigError
+from ..sections import EvaluationSettings, watched_metric
 from ..tasks.protocol import Task
 
 BEST = "best"  # the folder in the run dir
@@ -84,16 +84,16 @@ class BestModel:
         self.reference, self.stale = state.get("best_reference"), int(state.get("evals_without_improvement", 0))
 
 
-def best_model(cfg: RunConfig, task: Task) -> BestModel | None:
+def best_model(evaluation: EvaluationSettings, task: Task, task_name: str) -> BestModel | None:
     """The run's BestModel, or None without ``--keep-best``. Checked before anything is trained:
     an evaluation set, and, for tutorial-shaped tasks (whose figures are the loss and
     ``Task.metrics``), the figure itself (an ``eval_fn``'s are known only once it has run)."""
-    if not cfg.keep_best.strip():
+    if not evaluation.keep_best.strip():
         return None
     if task.eval_set is None:
-        raise ConfigError(f"--keep-best {cfg.keep_best} needs an evaluation set, and the task {cfg.task} has none "
-                          "(Task.eval_set)")
-    best = BestModel(cfg.keep_best, cfg.early_stop, cfg.early_stop_delta)
+        raise ConfigError(f"--keep-best {evaluation.keep_best} needs an evaluation set, and the task {task_name} has "
+                          "none (Task.eval_set)")
+    best = BestModel(evaluation.keep_best, evaluation.early_stop, evaluation.early_stop_delta)
     figures = sorted(f"eval_{name}" for name in ("loss", *task.metrics))
     if task.eval_fn is None and best.metric not in figures:
         raise ConfigError(f"--keep-best {best.metric}: the evaluation has no such figure; it has {', '.join(figures)}")

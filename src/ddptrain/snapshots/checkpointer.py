@@ -21,10 +21,10 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from ..comm import CollectiveMarks, DistContext
-from ..config import RunConfig
 from ..console import say
 from ..progress import best_interval_s
 from ..run_dir import RunDir
+from ..sections import SnapshotSettings
 from . import dcp as snapshot_dcp
 from . import files, rng
 from .restore import Snapshot
@@ -71,18 +71,22 @@ class Weights(Protocol):
 
 
 class Checkpointer:
-    def __init__(self, cfg: RunConfig, ctx: DistContext, home: RunDir, strategy: Any, marks: CollectiveMarks,
-                 weights: Weights, states: Mapping[str, Stateful], per_rank: Mapping[str, PerRank] | None = None,
+    def __init__(self, snapshots: SnapshotSettings, recorded: Mapping[str, Any], ctx: DistContext, home: RunDir,
+                 strategy: Any, marks: CollectiveMarks, weights: Weights, states: Mapping[str, Stateful],
+                 per_rank: Mapping[str, PerRank] | None = None,
                  start: Snapshot | None = None, group: Any = None, uploads: Any = None,
                  on_committed: Callable[[str, dict[str, Any]], None] | None = None) -> None:
-        """``per_rank``: states every rank has its own of (a stream's reading position), saved as
+        """``recorded``: what every snapshot holds of the run's settings, for the run that resumes it to
+        compare (``batch_size``, ``global_batch``, ``fingerprint``: RunConfig.math_fingerprint);
+        ``per_rank``: states every rank has its own of (a stream's reading position), saved as
         a list by rank and handed back whole on resume; ``start``: the snapshot the run resumes
         from (restore.restore_point), loaded by ``resume``; ``group``: a gloo group for the
         random and per-rank states (None: the default group); ``uploads``: this rank's
         uploads.Uploader to the run dir's store, if it has one (snapshots go up behind the training,
         committed there by their manifests); ``on_committed(location, progress)``:
         called on every rank once every rank knows a snapshot is committed (Ray Train's reports)."""
-        self.cfg, self.ctx, self.group, self.marks = cfg, ctx, group, marks
+        self.snapshots, self.recorded = snapshots, dict(recorded)
+        self.ctx, self.group, self.marks = ctx, group, marks
         self.weights, self.states, self.start = weights, dict(states), start
         self.per_rank = dict(per_rank or {})
         self.home, self.dir = home, files.snapshot_dir(home.local)
@@ -125,13 +129,14 @@ class Checkpointer:
         return True
 
     # --- policy ----------------------------------------------------------------------------
-    def retarget(self, cfg: RunConfig, scheduler: Stateful) -> None:
-        """Trainer.train(max_epochs=...): a longer or shorter run, and the schedule made for it."""
-        self.cfg, self.states["scheduler"] = cfg, scheduler
+    def retarget(self, recorded: Mapping[str, Any], scheduler: Stateful) -> None:
+        """Trainer.train(max_epochs=...): a longer or shorter run (its settings as recorded), and the
+        schedule made for it."""
+        self.recorded, self.states["scheduler"] = dict(recorded), scheduler
 
     def due_by_time(self) -> bool:
         """Rank 0's clock (agreed by every rank through resilience/stop_signals.StopSignal)."""
-        if not self.cfg.save_seconds:
+        if not self.snapshots.save_seconds:
             return False
         return time.perf_counter() - self.last_saved_at >= self.interval_s()
 
@@ -139,9 +144,9 @@ class Checkpointer:
         """Seconds of training between snapshots by time: --save-seconds, stretched so snapshots
         cost at most 2% of the training; with --mttf-hours, once a snapshot's cost is known,
         Young's interval from it (the costliest snapshot's: the first includes one-off work)."""
-        if self.cfg.mttf_hours and self.cost_s:
-            return best_interval_s(self.cfg.mttf_hours * 3600, self.cost_s)
-        return max(self.cfg.save_seconds, self.cost_s / MAX_SNAPSHOT_SHARE)
+        if self.snapshots.mttf_hours and self.cost_s:
+            return best_interval_s(self.snapshots.mttf_hours * 3600, self.cost_s)
+        return max(self.snapshots.save_seconds, self.cost_s / MAX_SNAPSHOT_SHARE)
 
     # --- saving ----------------------------------------------------------------------------
     def wants(self, global_step: int) -> bool:
@@ -168,25 +173,25 @@ class Checkpointer:
         by_rank = self._gather_per_rank(global_step)
         self._check_visible(self.saved_step)
         self._announce()
-        meta = {"format_version": files.FORMAT_VERSION, "world_size": self.ctx.world_size,
-                "batch_size": self.cfg.batch_size,
-                "global_batch": self.cfg.global_batch(self.ctx.world_size),
-                "fingerprint": self.cfg.math_fingerprint(self.ctx.world_size), "rng": rng_states, **by_rank}
+        meta = {"format_version": files.FORMAT_VERSION, "world_size": self.ctx.world_size, **self.recorded,
+                "rng": rng_states, **by_rank}
         if self.sharded:
             state = self.state_dict()
             shards = {part: state.pop(part) for part in ("model", "optimizer", "ema") if part in state}
             extra = {**meta, **files.cpu_copy(state, copy=not last)} if self.ctx.is_main else None
-            self.writer.submit(shards, extra, self.dir, global_step, self.cfg.keep, last=last)
+            self.writer.submit(shards, extra, self.dir, global_step, self.snapshots.keep, last=last)
         elif self.writer is not None:
-            self.writer.submit({**meta, **files.cpu_copy(self.state_dict(), copy=not last)}, self.dir, self.cfg.keep)
+            self.writer.submit({**meta, **files.cpu_copy(self.state_dict(), copy=not last)}, self.dir,
+                               self.snapshots.keep)
         self.saved_step = global_step
         self.saved_progress = dict(self.states["progress"].state_dict()) if "progress" in self.states else {}
         self.last_saved_at = time.perf_counter()
         self.cost_s = max(self.cost_s, self.last_saved_at - started)
-        if self.cfg.mttf_hours and self.cfg.save_seconds and self.ctx.is_main and not (self.told_interval or last):
+        by_time = self.snapshots.mttf_hours and self.snapshots.save_seconds
+        if by_time and self.ctx.is_main and not (self.told_interval or last):
             self.told_interval = True  # (the first snapshot's cost is known: the interval it sets, said once)
             say(f"ddptrain: snapshots every {self.interval_s():.3g} s of training from now (--mttf-hours "
-                f"{self.cfg.mttf_hours:g}: Young's interval for a snapshot that blocks {self.cost_s:.3g} s)")
+                f"{self.snapshots.mttf_hours:g}: Young's interval for a snapshot that blocks {self.cost_s:.3g} s)")
 
     def _gather_per_rank(self, global_step: int) -> dict[str, list[Any]]:
         """Every rank's per-rank states, as lists by rank on rank 0 (which writes them)."""

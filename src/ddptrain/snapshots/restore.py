@@ -15,7 +15,6 @@ Loading the snapshot into the run's components is the checkpointer's (``Checkpoi
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from ..config import RunConfig
 from ..console import say
 from ..errors import ConfigError
 from ..run_dir import TIMELINE, RunDir, StoreRunDir
+from ..sections import SnapshotSettings
 from . import dcp as snapshot_dcp
 from . import files
 from .uploads import mirror_is_ahead, sync_up
@@ -48,7 +48,7 @@ class Snapshot:
         return int(self.state["progress"]["global_step"])
 
 
-def restore_point(cfg: RunConfig, ctx: DistContext, home: RunDir, module: torch.nn.Module,
+def restore_point(snapshots: SnapshotSettings, ctx: DistContext, home: RunDir, module: torch.nn.Module,
                   templates: Callable[[], dict[str, Any]], marks: CollectiveMarks) -> Snapshot | None:
     """Collective: the snapshot every rank resumes from, checked on every rank, or None.
     ``templates()``: this run's own state dicts of the weights (model, optimizer, ema), which
@@ -56,11 +56,11 @@ def restore_point(cfg: RunConfig, ctx: DistContext, home: RunDir, module: torch.
     chosen: Snapshot | None = None
     choice: Any = None
     if isinstance(home, StoreRunDir) and ctx.local_rank == 0 and mirror_is_ahead(home.local):
-        _from_store(home, lambda: sync_pending(home, cfg.keep))
-    if cfg.resume != "never":
+        _from_store(home, lambda: sync_pending(home, snapshots.keep))
+    if snapshots.resume != "never":
         pull(home, ctx, marks)
     if ctx.is_main:
-        choice = _choose(cfg, home)
+        choice = _choose(snapshots.resume, home)
         chosen = choice if isinstance(choice, Snapshot) else None
     with marks.waiting("start-up: agreeing on the snapshot to resume"):
         choice = broadcast_object(str(choice.path) if isinstance(choice, Snapshot) else choice)
@@ -128,24 +128,24 @@ def _from_store(home: RunDir, read: Callable[[], T]) -> T:
                           f"{ahead}; run the same command again once it answers") from None
 
 
-def _choose(cfg: RunConfig, home: RunDir) -> Snapshot | dict[str, str] | None:
-    """Rank 0: the snapshot, None for a fresh start, or {"error": message}."""
+def _choose(resume: str, home: RunDir) -> Snapshot | dict[str, str] | None:
+    """Rank 0: the snapshot --resume names, None for a fresh start, or {"error": message}."""
     snapshots = files.snapshot_dir(home.local)
     snapshot_dcp.remove_partials(snapshots)
     try:
-        if cfg.resume == "never":
+        if resume == "never":
             found = None
-        elif cfg.resume == "auto":
+        elif resume == "auto":
             found = files.load_newest(snapshots)
         else:
-            found = (Path(cfg.resume), files.load_snapshot(Path(cfg.resume)))
+            found = (Path(resume), files.load_snapshot(Path(resume)))
     except ConfigError as error:
         return {"error": str(error)}
     if found is None:
         # An attempt killed before its first snapshot (no snapshot, no model.pt) is this run's
         # first attempt: its timeline stays, so goodput counts its steps as redone.
         def move_aside() -> str | None:
-            unfinished = cfg.resume == "auto" and not home.holds("model.pt")
+            unfinished = resume == "auto" and not home.holds("model.pt")
             return home.move_aside(time.strftime("%Y%m%d-%H%M%S"), (TIMELINE,) if unfinished else ())
         moved = _from_store(home, move_aside)
         if moved is not None:
@@ -165,7 +165,7 @@ def resumed_config(start: Snapshot | None, cfg: RunConfig, world_size: int,
         # one line per membership change (an elastic job shrinking or growing says it here)
         info(f"world size {start.state['world_size']} → {world_size} at step {start.global_step}: batch size "
              f"per rank {batch} keeps the global batch {start.state['global_batch']}")
-        cfg = dataclasses.replace(cfg, batch_size=batch)
+        cfg = cfg.replace(batch_size=batch)
     files.check_fingerprint(start.state["fingerprint"], cfg.math_fingerprint(world_size), start.path)
     return cfg
 
