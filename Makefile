@@ -53,6 +53,7 @@ lint: dev
 	$(BIN)/mypy  # types, and unreachable code (pyproject.toml's [tool.mypy])
 
 docs: dev  # the documentation site, into site/; --strict: a broken link or a page missing from the nav fails
+	$(BIN)/python docs/make_reference.py  # the settings', Task's and exceptions' tables, from the code
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 bench: install

@@ -99,7 +99,8 @@ class OptimizerSettings(Section):
                             choices=("constant", "cosine", "linear"), default="constant")
     warmup_steps: int = _opt("steps of linear warm-up before the schedule", default=0)
     min_lr: float = _opt("the rate cosine and linear decay end at (nanoGPT's min_lr)", default=0.0)
-    precision: str = _opt("autocast precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    precision: str = _opt("autocast precision of the forward pass and the loss (fsdp: its mixed-precision policy)",
+                          choices=("fp32", "bf16", "fp16"), default="fp32")
     clip_grad: float | None = _opt("clip the global gradient norm to this value", default=None)
 
     def hparam(self, name: str) -> Any:
@@ -147,8 +148,8 @@ class ParallelSettings(Section):
     outer_lr: float | None = _opt(f"diloco: the outer SGD's learning rate (default {OUTER_LR})", default=None)
     outer_momentum: float | None = _opt(f"diloco: the outer SGD's Nesterov momentum (default {OUTER_MOMENTUM}; 0: "
                                         "plain SGD)", default=None)
-    comm_hook: str = _opt("ddp: gradient communication hook",
-                          choices=("none", "fp16", "bf16", "powersgd"), default="none")
+    comm_hook: str = _opt("ddp: the gradients' communication hook (fp16, bf16: compressed all-reduce; "
+                          "powersgd: low-rank)", choices=("none", "fp16", "bf16", "powersgd"), default="none")
     static_graph: bool = _opt("ddp: tell DDP the graph is the same every step", default=False)
     bucket_cap_mb: float | None = _opt("ddp: gradient bucket size in MiB (default: DDP's own, 25)",
                                        default=None)
@@ -180,7 +181,8 @@ class LaunchSettings(Section):
 
     nproc: str = _opt("local ranks when not under a launcher: a number, or auto "
                       "(one per GPU; 2 CPU ranks without GPUs)", default="auto")
-    device: str = _opt("compute device", choices=("auto", "cpu", "cuda"), default="auto")
+    device: str = _opt("compute device (auto: cuda:LOCAL_RANK when every local rank has a GPU, else cpu)",
+                       choices=("auto", "cpu", "cuda"), default="auto")
     backend: str = _opt("process-group backend (auto: nccl on CUDA, else gloo)",
                         choices=("auto", "gloo", "nccl"), default="auto")
 
@@ -227,7 +229,8 @@ class SnapshotSettings(Section):
                              "come every sqrt(2 x a snapshot's blocking time x MTTF) s, the interval "
                              "that loses least to snapshots and redone steps (Young's rule), in place "
                              "of --save-seconds, which times the first (0: off)", default=0.0)
-    keep: int = _opt("snapshots kept in RUN_DIR/snapshots", default=2)
+    keep: int = _opt("snapshots kept in RUN_DIR/snapshots (the oldest removed once a new one is committed)",
+                     default=2)
     resume: str = _opt("auto (newest complete snapshot in the run dir), never (a fresh start; an "
                        "earlier run's files there are moved aside; the job's own restarts resume its "
                        "snapshots), or a snapshot path", default="auto")

@@ -138,3 +138,35 @@ def test_torchft_replica_groups_share_the_data_and_count_in_the_global_batch():
 def test_the_run_identity_holds_only_the_settings_given_so_new_settings_keep_old_run_dirs():
     assert RunConfig(task="digits", lr=0.01, max_epochs=3).identity() == {"task": "digits", "lr": 0.01}
     assert RunConfig().identity() == {} and RunConfig(seed=0).identity() == {}  # the default, given or not
+
+
+def test_a_settings_file_may_hold_its_settings_in_their_sections(tmp_path):
+    def settings(text):
+        (tmp_path / "run.toml").write_text(text)
+        return prepare(None, {}, str(tmp_path / "run.toml"))[0]
+
+    cfg = settings('task = "digits"\n[optim]\nlr = 0.01\n[snapshots]\nsave-every = 100\n')
+    assert cfg == RunConfig(task="digits", lr=0.01, save_every=100)
+    assert (cfg.snapshots.save_every, cfg.optim.lr, cfg.save_every) == (100, 0.01, 100)
+    assert default_run_dir(cfg) == default_run_dir(settings('task = "digits"\nlr = 0.01\nsave-every = 100\n'))
+    for text, words in (("[snapshots]\nlr = 0.1\n", r"lr is a setting of \[optim\], not of \[snapshots\]"),
+                        ("[bogus]\nlr = 0.1\n", r"\[bogus\] is not a section"),
+                        ("lr = 0.1\n[optim]\nlr = 0.2\n", "lr is given twice"),
+                        ("[optim]\nlearning_rate = 0.1\n", "did you mean --lr")):
+        with pytest.raises(ConfigError, match=words):
+            settings(text)
+
+
+def test_a_config_reads_flat_and_by_section_and_never_changes():
+    cfg = RunConfig(task="digits", lr=0.01, save_every=3, strategy="fsdp")
+    assert (cfg.lr, cfg.optim.lr, cfg.save_every, cfg.parallel.strategy, cfg.epochs) == (0.01, 0.01, 3, "fsdp", 5)
+    changed = dataclasses.replace(cfg, lr=0.5, keep=4)  # flat names, as before the sections
+    assert (changed.optim.lr, changed.snapshots.keep, changed.snapshots.save_every, cfg.lr) == (0.5, 4, 3, 0.01)
+    assert changed == cfg.replace(lr=0.5, keep=4) and changed.training is cfg.training  # untouched sections shared
+    assert RunConfig(snapshots=cfg.snapshots).save_every == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lr = 1.0
+    with pytest.raises(TypeError, match="bogus"):
+        RunConfig(bogus=1)
+    with pytest.raises(AttributeError, match="bogus"):
+        cfg.bogus  # noqa: B018

@@ -27,31 +27,47 @@ OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimize
 SchedulerFactory = Callable[[torch.optim.Optimizer, int], Any]
 
 
+def _about(help: str, **kw: Any) -> Any:
+    """A Task field with its line of help (the API reference's table of Task's fields)."""
+    return field(metadata={"help": help}, **kw)
+
+
 @dataclass
 class Task:
     """Everything a run trains. Every rank calls the factory: build it the same way on every
-    rank (from ``cfg.seed``), so all hold the same data and the same initial weights."""
+    rank (from ``cfg.seed``), so all hold the same data and the same initial weights. Give
+    ``loss_fn`` for tutorial-shaped ``(inputs, target)`` batches, or ``step_fn`` for any other."""
 
-    model: torch.nn.Module
-    train_set: Dataset
-    loss_fn: LossFn | None = None
-    eval_set: Dataset | None = None
-    metrics: dict[str, MetricFn] = field(default_factory=dict)
-    make_optimizer: OptimizerFactory | None = None
-    # The learning-rate schedule, made from the optimizer and the run's length in optimizer steps
-    # (an LRScheduler, stepped once per step; in place of --lr-schedule, --warmup-steps, --min-lr).
-    make_scheduler: SchedulerFactory | None = None
-    # Defaults for hyper-parameters the user did not set (keys of config.GLOBAL_DEFAULTS).
-    defaults: dict[str, Any] = field(default_factory=dict)
-    # Batches of any structure (dicts, nested tuples; Hugging Face style).
-    collate_fn: Callable[[list[Any]], Any] | None = None
-    step_fn: StepFn | None = None
-    eval_fn: EvalFn | None = None
-    # --strategy fsdp / --activation-checkpointing: the submodules that are blocks (default:
-    # the members of the model's largest ModuleList or Sequential).
-    blocks: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = None
-    # Tokens in one sample (a language model's sequence length): tokens/s in metrics.jsonl.
-    tokens_per_sample: int | None = None
+    model: torch.nn.Module = _about("the model, as built on every rank (the same initial weights: seed it from "
+                                    "cfg.seed); ddptrain wraps it (DDP, FSDP2) and writes its weights to model.pt")
+    train_set: Dataset = _about("the training data: a map-style Dataset (each rank samples its share of every "
+                                "step's global batch) or an IterableDataset (a stream: each rank reads its own)")
+    loss_fn: LossFn | None = _about("loss_fn(output, target): the mean loss of one (inputs, target) batch "
+                                    "(called inside autocast)", default=None)
+    eval_set: Dataset | None = _about("the held-out data: a map-style Dataset, evaluated over every rank "
+                                      "(None: no evaluation)", default=None)
+    metrics: dict[str, MetricFn] = _about("evaluation figures by name: metric(output, target) returning the SUM of "
+                                          "a per-sample figure over the batch (e.g. correct predictions), or a "
+                                          "torchmetrics metric object", default_factory=dict)
+    make_optimizer: OptimizerFactory | None = _about("make_optimizer(params) -> Optimizer, in place of --optimizer, "
+                                                     "--momentum, --weight-decay, --betas and --eps", default=None)
+    make_scheduler: SchedulerFactory | None = _about(
+        "make_scheduler(optimizer, total_steps) -> an LRScheduler stepped once per optimizer step, in place of "
+        "--lr-schedule, --warmup-steps and --min-lr", default=None)
+    defaults: dict[str, Any] = _about("defaults for the settings the user left unset: lr, optimizer, momentum, "
+                                      "weight_decay (config.GLOBAL_DEFAULTS' keys)", default_factory=dict)
+    collate_fn: Callable[[list[Any]], Any] | None = _about(
+        "the DataLoader's collate_fn: batches of any structure (dicts, nested tuples; Hugging Face style)",
+        default=None)
+    step_fn: StepFn | None = _about("step_fn(model, batch) -> the scalar loss of a batch of any structure (or "
+                                    "(loss_sum, count)), in place of loss_fn", default=None)
+    eval_fn: EvalFn | None = _about("eval_fn(model, batch) -> {figure: sum over the batch, 'samples': count}: "
+                                    "the evaluation of batches of any structure", default=None)
+    blocks: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = _about(
+        "blocks(model) -> the submodules that --strategy fsdp shards and --activation-checkpointing recomputes "
+        "one by one (default: the members of the model's largest ModuleList or Sequential)", default=None)
+    tokens_per_sample: int | None = _about("tokens in one sample (a language model's sequence length): tokens/s "
+                                           "in the records", default=None)
 
 
 TaskFactory = Callable[[Any], Task]
