@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/pip install --quiet --constraint constraints.txt
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install dev train test test-fast test-matrix lint docs bench clean
+.PHONY: install dev train test test-fast test-matrix lint docs reference bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,8 +53,11 @@ lint: dev
 	$(BIN)/mypy  # types, and unreachable code (pyproject.toml's [tool.mypy])
 
 docs: dev  # the documentation site, into site/; --strict: a broken link or a page missing from the nav fails
-	$(BIN)/python docs/make_reference.py  # the settings', Task's and exceptions' tables, from the code
+	$(BIN)/python docs/make_reference.py --check  # the generated tables match the code (else: make reference)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+reference: dev  # rewrite docs/flags.md's and docs/reference.md's tables from the settings' and Task's help
+	$(BIN)/python docs/make_reference.py
 
 bench: install
 	$(BIN)/ddptrain bench

@@ -1,8 +1,9 @@
 """The reference's tables, generated from the code: every setting by section (flags.md and
 reference.md), Task's fields and the public exceptions (reference.md). A flag's help, a field's
-line and an exception's docstring each live in one place, the code; ``make docs`` rewrites the
-blocks between ``<!-- begin generated: NAME -->`` and ``<!-- end generated: NAME -->``, and
-tests/unit/test_reference.py fails when a committed page differs from what this writes.
+line and an exception's docstring each live in one place, the code; ``make reference`` rewrites
+the blocks between ``<!-- begin generated: NAME -->`` and ``<!-- end generated: NAME -->``, and
+``make docs`` (so CI) and tests/unit/test_reference.py fail when a committed page differs from
+what this writes.
 
     python docs/make_reference.py          # rewrite the generated blocks
     python docs/make_reference.py --check  # exit 1 if a page is out of date
@@ -111,7 +112,7 @@ def main(argv: list[str]) -> int:
             if "--check" not in argv:
                 page.write_text(render(text))
     if stale and "--check" in argv:
-        print(f"out of date: {', '.join(stale)}; run `python docs/make_reference.py`", file=sys.stderr)
+        print(f"out of date: {', '.join(stale)}; run `make reference`", file=sys.stderr)
         return 1
     return 0
 

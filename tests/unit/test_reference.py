@@ -29,7 +29,7 @@ def test_every_setting_task_field_and_exception_has_its_text():
 def test_the_generated_pages_are_what_the_code_says():
     for name in make_reference.PAGES:
         text = (REPO / "docs" / name).read_text()
-        assert make_reference.render(text) == text, f"docs/{name} is out of date: run `python docs/make_reference.py`"
+        assert make_reference.render(text) == text, f"docs/{name} is out of date: run `make reference`"
     flags, reference = ((REPO / "docs" / name).read_text() for name in make_reference.PAGES)
     for name in FIELDS:  # each setting in both: a flag with its help, a field with its type and default
         assert f"| `{flag(name)}`" in flags and f"| `{name}` |" in reference
