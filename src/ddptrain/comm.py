@@ -59,6 +59,15 @@ class CollectiveMarks:
     def phase(self, label: str) -> None:
         """What this rank is doing outside collectives: a start-up stage, or "step N"."""
 
+    def training_begins(self) -> None:
+        """The training loop starts: from now on a rank that stops moving is a hang (a one-rank
+        job's, which no peer waits for: resilience/stall.py)."""
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """An evaluation or a snapshot: time that may outlast a step, not judged as a stall."""
+        yield
+
 
 @dataclass(frozen=True)
 class DistContext:

@@ -111,6 +111,7 @@ class Trainer(Assembly):
             self.reporter.log(self._evaluation(0, final=True))
         self.groups.start(self.progress.global_step)  # torchft's --sync groups meet (a restarted one heals)
         self.records.start()
+        self.watchdog.training_begins()  # (a one-rank job: from now on, standing still is a hang)
         while not self.cadence.done():
             try:
                 ended_by = self._run_epoch(self.progress.epoch)
@@ -237,8 +238,9 @@ class Trainer(Assembly):
 
     @contextlib.contextmanager
     def _aside(self, kind: str) -> Iterator[None]:
-        """An evaluation's or a snapshot's time: the timeline's (goodput), and out of the rates."""
-        with self.clock.aside(), self.reporter.timed(kind, self.progress.global_step):
+        """An evaluation's or a snapshot's time: the timeline's (goodput), out of the rates, and not a
+        one-rank job's stall (resilience/stall.py)."""
+        with self.clock.aside(), self.reporter.timed(kind, self.progress.global_step), self.watchdog.aside():
             yield
 
     def _save(self, last: bool = False) -> None:
@@ -266,7 +268,8 @@ class Trainer(Assembly):
         if exiting:
             self.optimizer.state.clear()
             return_free_memory()  # the moments' blocks are shards: the whole tensors cannot reuse them
-        write_final_models(self.strategy, self.module, self.average, self.run_dir, self.uploads)
+        with self.watchdog.aside():  # (a big model's files take their time)
+            write_final_models(self.strategy, self.module, self.average, self.run_dir, self.uploads)
         with self.watchdog.waiting("the end: waiting for model.pt"):
             dist.barrier()  # model.pt is complete before any rank reports success
         self.reporter.finish(self.progress.global_step)

@@ -185,6 +185,30 @@ def slow_data(cfg) -> Task:
     return task
 
 
+class _SleepsOnce(torch.utils.data.Dataset):
+    """``inner``'s samples; the first one read in this process first sleeps EVAL_SLEEP seconds."""
+
+    def __init__(self, inner):
+        self.inner, self.slept = inner, False
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        if not self.slept:
+            self.slept = True
+            time.sleep(float(os.environ.get("EVAL_SLEEP", "0")))
+        return self.inner[index]
+
+
+def slow_evaluation(cfg) -> Task:
+    """The regression task with an evaluation set (its first 256 samples) whose first evaluation
+    sleeps EVAL_SLEEP seconds."""
+    task = regression_task(cfg)
+    task.eval_set = _SleepsOnce(torch.utils.data.Subset(task.train_set, range(256)))
+    return task
+
+
 def nan_sample(cfg) -> Task:
     """The regression data with one NaN feature in sample NAN_INDEX (default 100)."""
     task = regression_task(cfg)

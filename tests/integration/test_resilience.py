@@ -19,6 +19,7 @@ from ddptrain.tasks.regression import regression_data
 from helpers.commands import (
     BIN,
     alive,
+    assert_ok,
     assert_same_weights,
     clean_env,
     ddptrain_cli,
@@ -164,6 +165,31 @@ def test_a_hung_rank_is_named_with_its_stack_and_the_waiting_rank_is_not_blamed(
     stacks = {p.name: p.read_text() for p in (tmp_path / "logs" / "stacks").iterdir()}
     assert "wait_for_ever" in stacks["rank-1.txt"] and "backward" in stacks["rank-0.txt"]
     assert not any(alive(pid) for pid in _rank_pids(tmp_path))
+
+
+def test_a_job_of_one_rank_that_hangs_is_named_with_its_stack_and_ends(tmp_path):
+    """No peer waits for a lone rank: its stall watch judges it (resilience/stall.py). Its
+    Dataset.__getitem__ sleeps for ever after 300 items; an evaluation longer than --timeout is
+    not a hang."""
+    timeout = 3
+    started = time.monotonic()
+    result = ddptrain_cli("train", "--task", TASKS + "slow_data", "--nproc", "1", "--timeout", str(timeout),
+                          "--run-dir", str(tmp_path / "hung"), env=clean_env(SLOW_RANK="0", HANG_AFTER="300"),
+                          timeout=120)
+    elapsed, err = time.monotonic() - started, result.stderr
+    assert result.returncode == 1, err
+    assert elapsed < timeout + 20, f"took {elapsed:.0f} s"
+    assert re.search(rf"ddptrain: rank 0 did not move on after .*\(step 9\) within --timeout {timeout} s", err), err
+    assert "in __getitem__" in err and "wait_for_ever" in err  # the user's own functions
+    assert (tmp_path / "hung" / "logs" / "hang.txt").read_text().strip() == err.strip()
+    assert "wait_for_ever" in (tmp_path / "hung" / "logs" / "stacks" / "rank-0.txt").read_text()
+    assert not any(alive(pid) for pid in _rank_pids(tmp_path / "hung"))
+
+    slow = ddptrain_cli("train", "--task", TASKS + "slow_evaluation", "--nproc", "1", "--timeout", str(timeout),
+                        "--max-epochs", "2", "--run-dir", str(tmp_path / "evaluated"),
+                        env=clean_env(EVAL_SLEEP=str(timeout + 2)), timeout=120)
+    assert_ok(slow)
+    assert [r["epoch"] for r in read_metrics(tmp_path / "evaluated") if "eval_loss" in r] == [0, 1]
 
 
 def _nan_step() -> tuple[int, int]:

@@ -36,7 +36,7 @@ from ..resilience import flight
 from ..resilience.failures import COLLECTIVE_NOTE, hard_exit, lost_peer, record_error
 from ..resilience.hold import RunDirHold, job_id
 from ..resilience.stop_signals import PREEMPTED_EXIT_CODE
-from ..resilience.watchdog import PERIOD_S, NullWatchdog, Watchdog
+from ..resilience.watchdog import PERIOD_S, Watchdog
 from ..run_dir import RunDir
 from ..tasks.protocol import Task, TaskFactory
 from ..trainer import Trainer
@@ -178,10 +178,8 @@ def _run_rank(cfg: RunConfig, factory: TaskFactory | None, env: Environment, hom
     device_kind, backend = resolve_device_kind(cfg.device, cfg.backend, env.local_world_size)
     store = connect_store(env, cfg.timeout)
     global _watchdog
-    if env.world_size > 1:
-        _watchdog = watchdog = Watchdog(env, cfg.timeout, run_dir, hosts_store=hosts_store(env)).start()
-    else:
-        watchdog = NullWatchdog()
+    # (one rank: no thread until training begins, then its stall watch, resilience/stall.py)
+    _watchdog = watchdog = Watchdog(env, cfg.timeout, run_dir, hosts_store=hosts_store(env)).start()
     try:
         watchdog.phase("start-up: taking the run dir (one job per run dir)")
         hold_run_dir(env.rank, home, store)  # before this job touches anything in it

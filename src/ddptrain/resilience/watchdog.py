@@ -27,10 +27,12 @@ it blames the rank that waited (pytorch#140563), which is what this module avoid
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ from .board import Board, Heartbeat, store_answers
 from .failures import hard_exit, record_error
 from .flight import in_flight, last_entered, recent
 from .hangs import dump_stacks, hang_summary, judge_hang, refine
+from .stall import StallWatch
 
 PERIOD_S = 0.5  # how often each rank's thread wakes at most: looks for a verdict, publishes its heartbeat when due
 EARLY_S = 0.01  # a round this much early counts as due (a timed wait may end a little early)
@@ -118,6 +121,7 @@ class Watchdog(CollectiveMarks):
         # Written by the rank's main thread, read by the watchdog thread.
         self.arrivals, self.inside, self.label = 0, False, "start-up"
         self.step: int | None = None
+        self.aside_depth = 0  # inside evaluations or snapshots (aside): a one-rank job's stall watch waits
         self.waited_s = 0.0  # time spent inside timed collectives
         self.arrived_at: float | None = None
         self.main_thread = threading.get_ident()
@@ -153,6 +157,20 @@ class Watchdog(CollectiveMarks):
         """What this rank is doing outside collectives: a start-up stage, or "step N" (where a
         hang in the task's own collectives happened)."""
         self.label, self.step = label, None
+
+    def training_begins(self) -> None:
+        """A job of one rank: its stall watch starts (no peer would ever wait for it)."""
+        if self.world_size == 1 and self.timeout_s > 0:
+            StallWatch(self, self.timeout_s, self.run_dir, self.finished, self.period_s).start()
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """An evaluation or a snapshot: not judged as a stall."""
+        self.aside_depth += 1
+        try:
+            yield
+        finally:
+            self.aside_depth -= 1
 
     # --- life cycle ------------------------------------------------------------------------
     def start(self) -> Watchdog:
@@ -329,18 +347,3 @@ class Watchdog(CollectiveMarks):
             record_error(PeerStuck(f"rank {self.rank} waited in {verdict['label']} for rank(s) "
                                    f"{', '.join(map(str, verdict['culprits'])) or '(none)'}"))
         self.exit_process(1)
-
-
-class NullWatchdog(Watchdog):
-    """One rank, or a Trainer built without one: marks cost nothing and nothing runs."""
-
-    def __init__(self) -> None:
-        self.arrivals, self.inside, self.label = 0, False, ""
-        self.step: int | None = None
-        self.waited_s = 0.0
-        self.arrived_at: float | None = None
-        self.board, self.thread = None, None
-        self.finished, self.acting = threading.Event(), threading.Event()
-
-    def start(self) -> NullWatchdog:
-        return self
