@@ -167,7 +167,7 @@ class Assembly:
         scheduler, or None), and what may ask for a snapshot: Ray Train, torchft's replica
         groups, a stop signal."""
         cfg, ctx = self.cfg, self.ctx
-        self.ray = RayReports(str(cfg.run_dir), ctx.is_main)  # inside a Ray Train worker: reports to Ray
+        self.ray = RayReports(str(cfg.run_dir), ctx.is_main, self.run_dir)  # inside a Ray Train worker: reports to Ray
         self.replicas = ReplicaGroups(cfg.resilience, cfg.math_fingerprint(ctx.world_size), self.run_dir, ctx,
                                       lambda: self.checkpointer.state_dict(),
                                       lambda state: self.checkpointer.load_state_dict(state),

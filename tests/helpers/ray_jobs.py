@@ -35,8 +35,9 @@ def ray_storage_worker(config: dict) -> None:
     ddptrain.fit(config["task"], **config["options"])
 
 
-def run(name: str, worker, run_dir: Path, storage: str, task: str, max_failures: int) -> dict:
-    trainer = TorchTrainer(worker, train_loop_config={"task": task, "run_dir": str(run_dir), "options": OPTIONS},
+def run(name: str, worker, run_dir: Path, storage: str, task: str, max_failures: int, **options) -> dict:
+    config = {"task": task, "run_dir": str(run_dir), "options": {**OPTIONS, **options}}
+    trainer = TorchTrainer(worker, train_loop_config=config,
                            scaling_config=ScalingConfig(num_workers=2),
                            run_config=RunConfig(name=name, storage_path=storage,
                                                 failure_config=FailureConfig(max_failures=max_failures)))
@@ -56,7 +57,9 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False)
     for job in jobs:
         if job == "resumed":
-            outcome = run(job, train_worker, Path(base) / job, storage, "ddptrain_test_tasks:kill_at_step", 1)
+            # --resume never: the job's first start is fresh, and Ray's restart of it resumes its snapshots
+            outcome = run(job, train_worker, Path(base) / job, storage, "ddptrain_test_tasks:kill_at_step", 1,
+                          resume="never")
         elif job == "in-ray-storage":
             outcome = run(job, ray_storage_worker, Path(base) / job, storage, "regression", 0)
         else:

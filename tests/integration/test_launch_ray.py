@@ -31,7 +31,7 @@ def test_ray_workers_train_on_rays_group_and_a_killed_worker_resumes_bitwise(tmp
     assert [r["step"] for r in read_metrics(tmp_path / "resumed")] == [32, 64, 96]  # each epoch once
     assert resumed["ray_checkpoint"] == {"run_dir": str(tmp_path / "resumed"), "epoch": 3, "global_step": 96,
                                          "snapshot": str(tmp_path / "resumed" / "snapshots" / "step-000000096.pt")}
-    assert "resumed from" in result.stdout + result.stderr
+    assert "resumed from" in result.stdout + result.stderr  # under --resume never: Ray's restart of the job
 
     assert outcomes["unshared"]["error"]  # Ray ends the job; the rank's own error names the cause
     assert (f"rank 1 cannot see snapshot {tmp_path}/unshared/rank-1/snapshots/step-000000032.pt written by rank 0: "

@@ -32,6 +32,7 @@ from ..config import RunConfig
 from ..console import native_stderr_to, reclaim_console, say
 from ..data import is_stream
 from ..errors import ConfigError, PeerFailed, PeerStuck
+from ..observe.ray_train import ray_restarted
 from ..resilience import flight
 from ..resilience.failures import COLLECTIVE_NOTE, hard_exit, lost_peer, record_error
 from ..resilience.hold import RunDirHold, job_id
@@ -174,7 +175,6 @@ def run_rank(cfg: RunConfig, factory: TaskFactory | None = None, local_rank_arg:
 
 def _run_rank(cfg: RunConfig, factory: TaskFactory | None, env: Environment, home: RunDir) -> Outcome:
     run_dir = home.local  # a store's run dir: this machine's mirror
-    cfg = own_restart(cfg)
     device_kind, backend = resolve_device_kind(cfg.device, cfg.backend, env.local_world_size)
     store = connect_store(env, cfg.timeout)
     global _watchdog
@@ -183,6 +183,7 @@ def _run_rank(cfg: RunConfig, factory: TaskFactory | None, env: Environment, hom
     try:
         watchdog.phase("start-up: taking the run dir (one job per run dir)")
         hold_run_dir(env.rank, home, store)  # before this job touches anything in it
+        cfg = own_restart(cfg, run_dir)
         write_pid_file(run_dir, env.rank)
         watchdog.phase("start-up: building the task")
         task = tasks.build(cfg, factory)
@@ -302,11 +303,14 @@ def restarts_of_this_job() -> int:
     return max((int(count) for count in counts if count.isdigit()), default=0)
 
 
-def own_restart(cfg: RunConfig) -> RunConfig:
+def own_restart(cfg: RunConfig, run_dir: Path) -> RunConfig:
     """``--resume never`` is the job's first start: it moved an earlier run's files aside, and
     a restart of the same job resumes from the snapshots the job wrote (else every restart began
-    again at step 0, and --max-restarts only redid the work)."""
-    if cfg.resume == "never" and restarts_of_this_job():
+    again at step 0, and --max-restarts only redid the work): torch elastic's and Slurm's restarts
+    count themselves; Ray's are known by the trial's mark (observe/ray_train.py)."""
+    if cfg.resume != "never":
+        return cfg
+    if restarts_of_this_job() or ray_restarted(run_dir):
         return cfg.replace(resume="auto")
     return cfg
 

@@ -10,6 +10,13 @@ where the run is, and rank 0 attaches a small Ray checkpoint (``ddptrain_snapsho
 run dir and the snapshot's location), so Ray's result names ddptrain's newest snapshot. The
 weights stay in ddptrain's snapshot (Ray's storage gets the pointer, not a second copy).
 
+Ray sets no restart count (torchrun and Slurm do), so a restart under ``resume="never"`` is
+known by the trial: rank 0 leaves the Ray run's id (Tune's trial, or Ray Train's controller run) in the run dir
+(``.ray-trial``) once the run's start is settled, and a start of the same run finding it there is
+Ray's restart, which resumes the job's own snapshots (``ray_restarted``). (The mark is in the run dir's folder on
+rank 0's machine: for a run dir on a store, a restart whose rank 0 is on another machine starts
+afresh.)
+
 Without a ``run_dir``, the run lives in Ray's own storage for the job
 (``RunConfig(storage_path=...)``/``name``/``ddptrain``): the folder Ray keeps the job's results
 in, which a restarted group finds again (a local folder, or ``s3://``/``gs://`` as Ray was given).
@@ -27,6 +34,7 @@ from ..console import say
 from ..errors import ConfigError
 
 POINTER = "ddptrain_snapshot.json"
+TRIAL_MARK = ".ray-trial"  # in the run dir: the Ray trial training it, left by its first start's rank 0
 
 
 def ray_train_session() -> Any | None:
@@ -67,12 +75,43 @@ def ray_storage_run_dir() -> str | None:
     return run_dir
 
 
+def _trial(train: Any) -> str | None:
+    """The Ray Train run this worker is part of, the same in every restart of its workers: Tune's
+    trial (Ray Train's first API), else the run of Ray Train's controller (its second, where
+    trials are gone; an internal name, so checked rather than trusted); None: not known."""
+    try:
+        return f"trial {train.get_context().get_trial_id()}"
+    except Exception:  # noqa: BLE001 - Ray Train's second API raises DeprecationWarning here
+        pass
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return f"run {get_train_context().train_run_context.run_id}"
+    except Exception:  # noqa: BLE001 - neither: restarts under resume never start afresh, as before
+        return None
+
+
+def ray_restarted(folder: Path) -> bool:
+    """Inside a Ray Train worker: whether this start is Ray's restart of the trial that trains the
+    run dir (``folder``, on this machine), whose first start left the trial's id there."""
+    train = ray_train_session()
+    if train is None or (trial := _trial(train)) is None:
+        return False
+    mark = folder / TRIAL_MARK
+    return mark.is_file() and mark.read_text().strip() == trial
+
+
 class RayReports:
     """Tells Ray about each committed snapshot (a no-op outside Ray Train)."""
 
-    def __init__(self, run_dir: str, is_main: bool) -> None:
+    def __init__(self, run_dir: str, is_main: bool, folder: Path | None = None) -> None:
+        """``folder``: the run dir on this machine, where rank 0 marks the trial training it (made
+        once the run's start is settled: every rank has chosen how to resume, an earlier run's
+        files are aside)."""
         self.train = ray_train_session()
         self.run_dir, self.is_main = run_dir, is_main
+        if self.train is not None and is_main and folder is not None and (trial := _trial(self.train)):
+            (folder / TRIAL_MARK).write_text(trial + "\n")
 
     @property
     def active(self) -> bool:
