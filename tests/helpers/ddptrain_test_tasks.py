@@ -38,6 +38,21 @@ def fail_on_rank(cfg) -> Task:
 kill_at_step = killable(regression_task)
 
 
+def peer_fails_while_saving(cfg) -> Task:
+    """fail_on_rank, and every snapshot file takes SAVE_SLEEP seconds more to write (rank 0's)."""
+    import ddptrain.snapshots.files as files
+
+    real_save = files.atomic_save
+
+    def slow_save(obj, path):
+        if path.name.startswith("step-"):
+            time.sleep(float(os.environ.get("SAVE_SLEEP", "0")))
+        real_save(obj, path)
+
+    files.atomic_save = slow_save
+    return fail_on_rank(cfg)
+
+
 def kill_while_snapshotting(cfg) -> Task:
     """On the first attempt, rank 0 dies half-way through writing its KILL_SNAPSHOT-th snapshot
     file: half the bytes are in the temporary file when SIGKILL arrives."""

@@ -327,3 +327,16 @@ def test_a_time_based_snapshot_at_an_epochs_last_step_resumes_after_sigkill(tmp_
     assert (tmp_path / "killed").exists()
     assert f"resumed from {tmp_path / 'run'}/snapshots/step-" in capfd.readouterr().out
     assert_same_weights(load_model(tmp_path / "run"), load_model(tmp_path / "straight"), exact=True)
+
+
+def test_rank_0_finishes_its_snapshot_write_when_a_peers_failure_ends_it(tmp_path):
+    """Rank 0's step-10 snapshot takes 3 s to write; rank 1 raises at step 12, and rank 0's
+    watchdog ends its process on that verdict (os._exit), which cut the write before."""
+    started = time.monotonic()
+    result = ddptrain_cli("train", "--task", TASKS + "peer_fails_while_saving", "--nproc", "2", "--save-every", "10",
+                          "--save-seconds", "0", "--run-dir", str(tmp_path),
+                          env=clean_env(FAIL_RANK="1", FAIL_STEP="12", SAVE_SLEEP="3"), timeout=120)
+    assert result.returncode == 1 and "deliberate failure on rank 1 at step 12" in result.stderr, result.stderr
+    assert time.monotonic() - started < 3 + 30
+    snapshot = files.load_snapshot(tmp_path / "snapshots" / "step-000000010.pt")  # whole, and valid
+    assert snapshot["progress"]["global_step"] == 10

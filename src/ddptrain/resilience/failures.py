@@ -35,6 +35,7 @@ from ..errors import (
     StoreBehind,
     TrainingFailed,
 )
+from ..exits import finish_writes
 from .aborts import last_words
 
 # A rank's error arrives as text ("ExceptionType: message", torch's error file): matched by
@@ -100,6 +101,7 @@ def hard_exit(code: int) -> None:
                 pass
         if code:
             kill_children()
+            finish_writes()  # a snapshot write in flight (rank 0's file) ends first, within its grace
     finally:
         os._exit(code)
 

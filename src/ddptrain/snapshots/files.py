@@ -26,6 +26,7 @@ import torch
 
 from ..config import KEPT_ON_RESUME, MATH_OMITTED_AT
 from ..errors import DiskFull, SnapshotError
+from ..exits import finish_before_exit
 from ..run_dir import SNAPSHOT_NAME, snapshot_name, snapshot_number
 
 FORMAT_VERSION = 2
@@ -247,6 +248,7 @@ class SnapshotWriter(BackgroundWrite):
     def submit(self, state: dict[str, Any], directory: Path, keep: int) -> None:
         self.wait()
         self.pending = self.pool.submit(self._write, state, directory, keep)
+        finish_before_exit(self.pending, FAILED_WRITE_WAIT_S)  # (an exit after a failure waits for it)
 
     def _write(self, state: dict[str, Any], directory: Path, keep: int) -> Path:
         if self.uploads is None:
