@@ -83,6 +83,7 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
         return cast("Outcome", run(cfg, factory, local_rank_arg)), env.rank  # (@record's None: SystemExit(0))
     from .launch.group import check_comm_hook, resolve_device_kind
     from .launch.local import auto_nproc, launch_local, new_job_id
+    from .observe.goodput import exited
     from .resilience.hold import RunDirHold
 
     nproc = parse_nproc(cfg.nproc) or auto_nproc(cfg.device)
@@ -98,6 +99,7 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
         return launch_local(cfg, nproc, device_kind, factory, env), node * nproc
     finally:
         if hold is not None:
+            exited(home.local)  # the attempt ends here, its ranks gone (goodput's wall and failure part)
             hold.release()
 
 

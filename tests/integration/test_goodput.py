@@ -2,6 +2,7 @@
 restarted by the elastic launcher; the report read back as users read it."""
 
 import json
+import time
 
 import pytest
 
@@ -40,6 +41,8 @@ def test_a_run_killed_twice_counts_the_steps_redone_and_each_start_up(tmp_path, 
     assert all(a.start["ready_t"] > a.begun for a in attempts)  # a start-up in each attempt, counted once
     assert found["startup_s"] == pytest.approx(sum(a.start["ready_t"] - a.begun for a in attempts))
     assert found["between_attempts_s"] > 0 and found["waiting_s"] > 0  # rank 1's kill: rank 0 saw it fail
+    # and left (its exit line): the failure's teardown, apart from the launcher's restart
+    assert 0 < found["failure_s"] < 1.5, found
     assert _parts_sum(found) == pytest.approx(found["wall_s"], rel=0.01)
     assert 0 < found["goodput"] < 1
 
@@ -79,13 +82,17 @@ def test_an_attempt_killed_before_the_first_snapshot_is_counted_as_redone(tmp_pa
 
 def test_an_uninterrupted_run_redoes_nothing(tmp_path, capfd):
     fit("regression", tmp_path / "run", max_epochs=1)
+    returned = time.time()
     events = read_timeline(tmp_path / "run")
     found = account(events)
     assert found["attempts"] == 1 and found["steps_redone"] == 0 and found["steps_redone_s"] == 0
     assert found["goodput"] == pytest.approx(found["steps_kept_s"] / found["wall_s"], rel=0.01)
     assert _parts_sum(found) == pytest.approx(found["wall_s"], rel=0.01)
     # the summary is printed before the end's last waits (trackers, uploads): the timeline's last
-    # line, which `ddptrain report` counts in the end, comes after it
-    assert [e["e"] for e in events[-2:]] == ["end", "closed"] and events[-1]["t0"] == events[-2]["t1"]
-    printed = account(events[:-1])["goodput"]
+    # lines, which `ddptrain report` counts in the end, come after it; the wall ends where the
+    # launcher did, its ranks gone (its exit line)
+    assert [e["e"] for e in events[-3:]] == ["end", "closed", "exit"] and events[-2]["t0"] == events[-3]["t1"]
+    assert events[-2]["t1"] <= events[-1]["t1"] <= returned
+    assert found["wall_s"] == pytest.approx(events[-1]["t1"] - attempts_of(events)[0].start["t"], abs=0.02)
+    printed = account(events[:-2])["goodput"]
     assert f"goodput        {round(printed, 4):.4g}" in capfd.readouterr().out

@@ -37,8 +37,28 @@ def test_every_part_and_the_steps_a_later_attempt_redid():
     assert found["wall_s"] == 52
     assert {name: found[f"{name}_s"] for name in PARTS} == pytest.approx({
         "steps_kept": 10 + 4 + 13 - 1.5, "startup": 2 + 1, "steps_redone": 6, "snapshots": 1, "evaluations": 2,
-        "waiting": 2 + 3 + 1.5, "end": 1 + 2, "between_attempts": 5})
+        "waiting": 2 + 3 + 1.5, "failure": 0, "end": 1 + 2, "between_attempts": 5})
     assert found["goodput"] == pytest.approx(25.5 / 52)
+
+
+def test_a_failed_attempt_ends_where_its_process_did_and_the_wall_where_the_launcher_did():
+    """The failure part: from the failure's detection to the failed attempt's exit (rank 0's, after
+    its snapshot write); between attempts: from there to the next start. The launcher's exit ends
+    the wall."""
+    events = [
+        start(0, 2), steps(0, 10, 2, 12),
+        {"e": "end", "outcome": "failed", "t0": 12, "t1": 13},   # detected 1 s after the last step
+        {"e": "exit", "t1": 13.4},                                # rank 0 left 0.4 s later
+        start(15, 17, resumed_from=10), steps(10, 20, 17, 27),
+        {"e": "end", "outcome": "finished", "t0": 27, "t1": 28},
+        {"e": "closed", "t0": 28, "t1": 28.5},
+        {"e": "exit", "t1": 28.7},                                # the launcher, its ranks gone
+    ]
+    found = account(events)
+    assert found["wall_s"] == pytest.approx(28.7)
+    assert found["failure_s"] == pytest.approx(0.4) and found["between_attempts_s"] == pytest.approx(1.6)
+    assert found["waiting_s"] == pytest.approx(1) and found["end_s"] == pytest.approx(1 + 0.5 + 0.2)
+    assert sum(found[f"{name}_s"] for name in PARTS) == pytest.approx(found["wall_s"])
 
 
 def test_no_timeline_is_unknown_and_a_cut_line_is_skipped(tmp_path):

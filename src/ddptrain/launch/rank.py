@@ -202,9 +202,10 @@ def _run_rank(cfg: RunConfig, factory: TaskFactory | None, env: Environment, hom
         if lost_peer(error):
             # The launcher may stop this rank any moment now: its report goes first. (A peer that
             # posted its stack for a hang's verdict and left breaks this rank's collective too:
-            # the watchdog thread sees the verdict within a period and takes over.)
+            # the job's verdict is then the hang's, which the watchdog thread answers within a
+            # period. Any other verdict: nothing to wait for, the rank leaves at once.)
             record_error(reported)
-            if watchdog.acting.wait(2 * PERIOD_S):
+            if watchdog.answers_a_hang and watchdog.acting.wait(2 * PERIOD_S):
                 watchdog.exit_process(1)
         if reported is error:
             raise

@@ -12,8 +12,12 @@ Badput, after Google's goodput and Meta's ETTR: start-up (process start to the f
 restore included), steps redone (trained, then lost to a failure before a snapshot kept them:
 the next attempt resumed from an earlier step), snapshots (their blocking time), evaluations,
 waiting (a failed attempt's end: the failure's detection; torchft's quorum, where a failed
-group's stall and a heal show; a step nobody took), the end (the final snapshot and model.pt,
-up to the summary) and the time between attempts (a crash to the next start).
+group's stall and a heal show; a step nobody took), the failure (a failed attempt's detection to
+its end: the teardown, the last snapshot's wait), the end (the final snapshot and model.pt, up to
+the summary, and the process's exit) and the time between attempts (an attempt's end to the next
+start: the launcher's restart, a requeue, the user). An attempt ends where its process does: the
+``exit`` lines, written by rank 0 as it leaves after a failure (resilience/failures.hard_exit) and
+by ddptrain's launcher once its ranks are gone (``exited``).
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..exits import at_exit
 from ..run_dir import TIMELINE
 
 WRITE_EVERY_S = 0.02  # the resolution of a killed rank 0's last steps
 SLOT = 160  # bytes of the line a stretch of steps rewrites in place
 LAUNCHED_AT = "DDPTRAIN_LAUNCHED_AT"  # ddptrain's launcher's start: the attempt's, for its ranks
-PARTS = ("steps_kept", "startup", "steps_redone", "snapshots", "evaluations", "waiting", "end", "between_attempts")
+PARTS = ("steps_kept", "startup", "steps_redone", "snapshots", "evaluations", "waiting", "failure", "end",
+         "between_attempts")
 PART_OF = {"snapshot": "snapshots", "eval": "evaluations", "end": "end", "closed": "end"}
 UNKNOWN = "goodput: unknown (the run started before ddptrain wrote timeline.jsonl)"
 
@@ -74,6 +80,7 @@ class Timeline:
         self._append({"e": "start", "t": float(os.environ.get(LAUNCHED_AT) or process_t), "process_t": process_t,
                       "ready_t": self.mark, "resumed_from": resumed_from, "world_size": world_size,
                       "version": __version__})
+        at_exit(lambda: exited(self.path.parent))  # (a process ended by failures.hard_exit: after a failure)
 
     def step_done(self, step: int) -> None:
         if self.fd is None:
@@ -153,6 +160,15 @@ class Timeline:
         self.end_at += len(data)
 
 
+def exited(run_dir: Path) -> None:
+    """The attempt's end, where this process's is: an ``exit`` line (rank 0 leaving after a
+    failure, ddptrain's launcher once its ranks are gone), if the run has a timeline."""
+    path = Path(run_dir) / TIMELINE
+    if path.is_file():
+        with open(path, "a") as handle:
+            handle.write(json.dumps({"e": "exit", "t1": time.time()}, separators=(",", ":")) + "\n")
+
+
 def read_timeline(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / TIMELINE
     if not path.is_file():
@@ -175,6 +191,10 @@ class Attempt:
     @property
     def last_t(self) -> float:
         return max([self.start["ready_t"], *(e["t1"] for e in self.events)])
+
+    @property
+    def failed(self) -> bool:
+        return any(e["e"] == "end" and e["outcome"] == "failed" for e in self.events)
 
 
 def attempts_of(events: list[dict[str, Any]]) -> list[Attempt]:
@@ -212,7 +232,13 @@ def account(events: list[dict[str, Any]]) -> dict[str, Any] | None:
             parts["between_attempts"] += attempt.begun - attempts[n - 1].last_t
         parts["startup"] += attempt.start["ready_t"] - attempt.begun
         kept_up_to = attempts[n + 1].start["resumed_from"] if n + 1 < len(attempts) else math.inf
+        mark = attempt.start["ready_t"]  # where the attempt's intervals so far end
         for event in attempt.events:
+            if event["e"] == "exit":  # the process's end, from wherever the attempt stood
+                parts["failure" if attempt.failed else "end"] += max(event["t1"] - mark, 0.0)
+                mark = max(mark, event["t1"])
+                continue
+            mark = max(mark, event["t1"])
             seconds = event["t1"] - event["t0"]
             if event["e"] == "steps":
                 parts["waiting"] += event.get("w", 0.0)
@@ -258,7 +284,7 @@ def goodput_table(found: dict[str, Any]) -> str:
 
 
 COLOURS = {"startup": "tab:gray", "steps_kept": "tab:green", "steps_redone": "tab:red", "snapshot": "tab:blue",
-           "eval": "tab:purple", "end": "tab:olive", "waiting": "tab:orange"}
+           "eval": "tab:purple", "end": "tab:olive", "waiting": "tab:orange", "failure": "tab:brown"}
 
 
 def plot_timeline(run_dir: Path) -> str | None:
@@ -279,15 +305,18 @@ def plot_timeline(run_dir: Path) -> str | None:
     for row, attempt in enumerate(attempts):
         kept_up_to = attempts[row + 1].start["resumed_from"] if row + 1 < len(attempts) else math.inf
         spans = [("startup", attempt.begun, attempt.start["ready_t"])]
+        mark = attempt.start["ready_t"]
         for event in attempt.events:
-            kind = event["e"]
+            kind, t0, mark = event["e"], event.get("t0", mark), max(mark, event["t1"])
             if kind == "straggled":  # a sum inside the steps, not a span of its own
                 continue
             if kind == "steps":
                 kind = "steps_kept" if event["b"] <= kept_up_to else "steps_redone"
             elif kind in ("end", "closed"):
                 kind = "waiting" if event.get("outcome") == "failed" else "end"
-            spans.append((kind, event["t0"], event["t1"]))
+            elif kind == "exit":  # from where the attempt stood to its process's end
+                kind = "failure" if attempt.failed else "end"
+            spans.append((kind, t0, event["t1"]))
         for kind, t0, t1 in spans:
             ax.broken_barh([(t0 - origin, max(t1 - t0, 1e-3))], (row - 0.35, 0.7), color=COLOURS[kind])
     ax.set_yticks(range(len(attempts)), [f"attempt {n + 1}" for n in range(len(attempts))])

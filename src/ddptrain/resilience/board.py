@@ -173,17 +173,17 @@ class Board:
         return {rank: texts.get(rank) for rank in ranks}
 
     # --- leaving ---------------------------------------------------------------------------
-    def leave(self, wait_for_others: bool) -> None:
+    def leave(self, wait_for_others: bool, gone: set[int] | frozenset[int] = frozenset()) -> None:
         """Mark this rank as leaving (once). The store's host (``wait_for_others``) waits briefly
         for every other rank to leave first, so nobody finds the store gone while still reading
-        a verdict."""
+        a verdict; not for those ``gone`` (ranks whose process is known to have ended)."""
         if self.left:
             return
         self.left = True
         try:
             self.store.set(self._key(f"left/{self.rank}"), "1")
             if wait_for_others:
-                others = [self._key(f"left/{r}") for r in range(self.world_size) if r != self.rank]
+                others = [self._key(f"left/{r}") for r in range(self.world_size) if r != self.rank and r not in gone]
                 deadline = time.monotonic() + LINGER_S
                 while others and not self.store.check(others) and time.monotonic() < deadline:
                     time.sleep(0.02)

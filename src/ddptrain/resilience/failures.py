@@ -35,7 +35,7 @@ from ..errors import (
     StoreBehind,
     TrainingFailed,
 )
-from ..exits import finish_writes
+from ..exits import finish_writes, say_last_words
 from .aborts import last_words
 
 # A rank's error arrives as text ("ExceptionType: message", torch's error file): matched by
@@ -102,6 +102,7 @@ def hard_exit(code: int) -> None:
         if code:
             kill_children()
             finish_writes()  # a snapshot write in flight (rank 0's file) ends first, within its grace
+        say_last_words()  # (the timeline's end of this attempt: goodput's failure part ends here)
     finally:
         os._exit(code)
 

@@ -18,10 +18,45 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import PeerFailed
 from .failures import hard_exit, parent_of, record_error
+
+
+def siblings_of(pids_dir: Path, rank: int) -> dict[int, int]:
+    """{rank: pid} of the other ranks this machine's launcher started (their pid files name
+    children of this process's parent), read while they all live."""
+    found = {}
+    launcher = os.getppid()
+    for path in pids_dir.glob("rank-*.pid"):
+        try:
+            other, pid = int(path.stem.split("-", 1)[1]), int(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if other != rank and parent_of(pid) == launcher:
+            found[other] = pid
+    return found
+
+
+def is_zombie(pid: int) -> bool:
+    """Dead and not yet reaped by its parent (the launcher, which learns its exit status so)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def wait_until_reaped(pids: Iterable[int], within_s: float) -> None:
+    """Until the launcher has reaped every dead one of ``pids`` (at most ``within_s``): a rank
+    leaving after a sibling's death lets torch's launcher see that death first, every 0.1 s, so
+    its report names the signal that killed it (seeing both ends in one look, torch keeps one)."""
+    deadline = time.monotonic() + within_s
+    while any(is_zombie(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class SiblingWatch:
@@ -37,16 +72,7 @@ class SiblingWatch:
     @staticmethod
     def _siblings(pids_dir: Path, rank: int) -> dict[int, tuple[Path, int]]:
         """{rank: (its pid file, its pid)} of the other ranks this machine's launcher started."""
-        found = {}
-        launcher = os.getppid()
-        for path in pids_dir.glob("rank-*.pid"):
-            try:
-                other, pid = int(path.stem.split("-", 1)[1]), int(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if other != rank and parent_of(pid) == launcher:
-                found[other] = (path, pid)
-        return found
+        return {other: (pids_dir / f"rank-{other}.pid", pid) for other, pid in siblings_of(pids_dir, rank).items()}
 
     def _watch(self) -> None:
         while not self._stop.wait(self.every_s):

@@ -45,9 +45,10 @@ from ..comm import CollectiveMarks
 from ..console import say
 from ..errors import ConfigError, PeerFailed, PeerStuck, RankStuck
 from .board import Board, Heartbeat, store_answers
-from .failures import hard_exit, record_error
+from .failures import hard_exit, parent_of, record_error
 from .flight import in_flight, last_entered, recent
 from .hangs import dump_stacks, hang_summary, judge_hang, refine
+from .siblings import siblings_of, wait_until_reaped
 from .stall import StallWatch
 
 PERIOD_S = 0.5  # how often each rank's thread wakes at most: looks for a verdict, publishes its heartbeat when due
@@ -62,6 +63,7 @@ STORE_LOSS_GRACE_S = 2.0  # the store's host (rank 0) may simply have finished f
 STORE_SILENT_S = (10.0, 30.0)  # a store call unanswered for --timeout, within these bounds: the store is gone
 STORE_PROBE_S = 5.0  # a fresh connection's wait for the store's answer (it answered in 0.3 s as 4,096 ranks started)
 STORE_EXCUSES = 2  # windows a silent call is excused while the store answers fresh connections
+REAPED_WITHIN_S = 0.3  # a failed rank's wait for its dead siblings' reaping (the launcher looks every 0.1 s)
 LOST_STORE = "rank 0 or the launcher has gone, or is frozen (stopped, or its machine unreachable)"
 LOST_CONNECTION = "this rank's connection to it is broken, or this process is starved of CPU"
 
@@ -132,6 +134,8 @@ class Watchdog(CollectiveMarks):
         self.seen: dict[int, tuple[Heartbeat | None, float]] = {}  # the judge's view: rank -> (beat, since)
         self.calling_since: float | None = None  # when the thread's pending round of store calls began
         self.store_answered = False  # the thread's first round of store calls has ended
+        self.winner: dict[str, Any] | None = None  # the job's verdict, as report_failure found it
+        self.siblings: dict[int, int] = {}  # rank -> pid of the other ranks this machine's launcher started
 
     # --- called by the training loop -------------------------------------------------------
     def arrive(self, label: str, step: int | None = None, timed: bool = True) -> None:
@@ -159,7 +163,12 @@ class Watchdog(CollectiveMarks):
         self.label, self.step = label, None
 
     def training_begins(self) -> None:
-        """A job of one rank: its stall watch starts (no peer would ever wait for it)."""
+        """Every rank has started: each notes which ranks are its siblings on this machine (the
+        store's host does not wait for a dead one to leave; a rank leaving after a failure lets
+        the launcher see a dead one first); a job of one rank starts its stall watch (no peer
+        would ever wait for it)."""
+        if self.run_dir is not None and self.world_size > 1:
+            self.siblings = siblings_of(self.run_dir / "pids", self.rank)
         if self.world_size == 1 and self.timeout_s > 0:
             StallWatch(self, self.timeout_s, self.run_dir, self.finished, self.period_s).start()
 
@@ -194,12 +203,14 @@ class Watchdog(CollectiveMarks):
         if self.acting.is_set() and threading.current_thread() is not self.thread:
             time.sleep(STACK_WAIT_S + 5)  # the thread exits the process meanwhile
         self.finished.set()
+        wait_until_reaped(self.siblings.values(), REAPED_WITHIN_S)  # (a dead sibling: the launcher sees it first)
         self._leave()
         hard_exit(code)
 
     def _leave(self) -> None:
-        if self.board is not None:
-            self.board.leave(wait_for_others=self.hosts_store)
+        if self.board is not None:  # (the store's host waits for the others to leave: not for the dead)
+            gone = {rank for rank, pid in self.siblings.items() if parent_of(pid) is None}
+            self.board.leave(wait_for_others=self.hosts_store, gone=gone)
 
     def report_failure(self, error: BaseException) -> bool:
         """Tell every rank that this one failed. True if it is the first failure of the job."""
@@ -209,9 +220,16 @@ class Watchdog(CollectiveMarks):
         message = f"{type(error).__name__}: {error}".splitlines()[0][:500]
         verdict = {"kind": kind, "rank": self.rank, "message": message}
         try:
-            return self.board.propose(verdict) == verdict
+            self.winner = self.board.propose(verdict)
         except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
             return False
+        return self.winner == verdict
+
+    @property
+    def answers_a_hang(self) -> bool:
+        """The job's verdict, as this rank's report found it, is a hang's: the thread answers it
+        (stacks, the summary) and ends the process."""
+        return self.winner is not None and self.winner.get("kind") == "hang"
 
     # --- the thread ------------------------------------------------------------------------
     def _run(self) -> None:
