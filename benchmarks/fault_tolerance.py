@@ -29,7 +29,8 @@ node or group SIGKILLs itself at its N-th step of each attempt, N drawn from an 
 distribution of mean ``--mean-steps`` (``--seed``), F times (the elastic path's node is
 started again after each kill, as an orchestrator replaces a node). A second table gives each
 path's goodput over every attempt, read from the run's timeline.jsonl (ddptrain report's
-figure), and its parts: start-up, steps redone, between attempts, waiting.
+figure), and its parts: start-up, steps redone, waiting, the failure (its detection to the
+attempt's end), between attempts.
 """
 
 import argparse
@@ -252,7 +253,7 @@ def main() -> None:
               f"{spread(lost):>22} {statistics.median(h['steps'] for h in hit):>20.0f} "
               f"{spread([h['gap'] for h in hit]):>18}")
     print("\ngoodput (timeline.jsonl; torchft: the healthy group's) and the failure runs' badput in seconds")
-    parts = ("startup_s", "steps_redone_s", "between_attempts_s", "waiting_s", "snapshots_s")
+    parts = ("startup_s", "steps_redone_s", "waiting_s", "failure_s", "between_attempts_s", "snapshots_s")
     print(f"{'':10} {'failures':>8} {'goodput, none':>20} {'goodput, failures':>20} "
           + " ".join(f"{part.removesuffix('_s').replace('_', ' '):>20}" for part in parts))
     for name in names:
