@@ -9,14 +9,13 @@ from __future__ import annotations
 
 __version__ = "0.4.0"
 
-from .config import RunConfig  # noqa: E402 (no torch: a bad flag is reported at once)
 from .errors import ConfigError  # noqa: E402
 
 __all__ = ["ConfigError", "RunConfig", "Stopped", "Task", "Trainer", "TrainingFailed", "__version__",
            "fit", "free_port", "process_group"]
 
-_LAZY = {  # these pull in torch: imported on first use
-    "Task": ("tasks.protocol", "Task"), "Trainer": ("trainer", "Trainer"),
+_LAZY = {  # imported on first use: these pull in torch (RunConfig does not, but `ddptrain`'s start need not pay it)
+    "RunConfig": ("config", "RunConfig"), "Task": ("tasks.protocol", "Task"), "Trainer": ("trainer", "Trainer"),
     "fit": ("api", "fit"), "TrainingFailed": ("errors", "TrainingFailed"),
     "Stopped": ("errors", "Stopped"), "process_group": ("launch.group", "process_group"),
     "free_port": ("comm", "free_port"),

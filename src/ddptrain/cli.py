@@ -286,21 +286,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         print(f"ddptrain: error: {error}", file=sys.stderr)
         return 2
-
-
-def entry() -> None:
-    """The ``ddptrain`` command. Once the work is done (files closed, output flushed, ranks
-    gone), the process ends without the interpreter's teardown: with torch._dynamo loaded (DDP
-    imports it) that teardown took 0.75 s of a 3.9 s one-epoch command, and does nothing.
-    ``train`` on a CPU machine first re-executes itself with mimalloc (launch/allocator.py)."""
-    from .launch.allocator import forget_preload, reexec_with_mimalloc
-
-    reexec_with_mimalloc(sys.argv[1:])
-    forget_preload()
-    from .resilience.failures import hard_exit
-
-    hard_exit(main())
-
-
-if __name__ == "__main__":
-    entry()

@@ -2,7 +2,7 @@
 what every command imports (torch, torch._dynamo, torch.distributed.checkpoint): 2.3 of the
 2.7 CPU-seconds a 1-epoch 2-rank ``ddptrain train`` costs are those imports, paid again by
 every command the tests start. A forked command is a process of its own with its own session,
-standard streams, environment, folder and exit status, running ``ddptrain.cli.entry`` as the
+standard streams, environment, folder and exit status, running ``ddptrain.start.entry`` as the
 installed script does; what it skips is the interpreter's start (and the allocator's re-exec:
 it runs under mimalloc from the start, as the re-executed command does). Tests of the start
 itself run the installed command (helpers.commands.ddptrain_cli(fresh=True)).
@@ -32,8 +32,9 @@ import torch  # noqa: F401
 import torch._dynamo  # noqa: F401
 import torch.distributed.checkpoint.state_dict  # noqa: F401
 
-import ddptrain.cli
+import ddptrain.cli  # noqa: F401
 import ddptrain.launch.local  # noqa: F401
+import ddptrain.start
 import ddptrain.trainer  # noqa: F401
 from ddptrain.launch import allocator
 
@@ -62,7 +63,7 @@ def run_command(request: dict, fds: list[int]) -> None:
         sys.argv = argv
         # a task module on the test's own PYTHONPATH, beyond the server's
         sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-        ddptrain.cli.entry()  # ends the process (failures.hard_exit) unless something raises
+        ddptrain.start.entry()  # ends the process (failures.hard_exit) unless something raises
         code = 0
     except SystemExit as stop:  # argparse's errors, as the interpreter would end on them
         if stop.code is None or isinstance(stop.code, int):

@@ -156,7 +156,7 @@ def ddptrain_cli(*args: str, timeout: float = 180, env: dict[str, str] | None = 
                  cwd: Path | None = None, fresh: bool = False) -> subprocess.CompletedProcess[str]:
     """``ddptrain <args>`` in a process of its own, run to completion. Forked by the command
     server (helpers/command_server.py) from an interpreter that has imported torch: the same
-    ``ddptrain.cli.entry`` in its own session, with its own streams, environment, folder and exit
+    ``ddptrain.start.entry`` in its own session, with its own streams, environment, folder and exit
     status, without the 2.3 CPU-seconds of imports every start costs. ``fresh``: the installed
     command, executed as a user runs it, for tests of the start itself (launchers, the
     allocator's re-exec, errors before torch is imported)."""

@@ -33,8 +33,16 @@ LIBRARY = "cmeel.prefix/lib/libmimalloc.so"
 
 
 def mimalloc_path() -> Path | None:
-    """The shared library of the cmeel-mimalloc wheel, a dependency of ddptrain on Linux."""
-    from importlib import metadata
+    """The shared library of the cmeel-mimalloc wheel, a dependency of ddptrain on Linux: where
+    this interpreter installs wheels, else wherever the wheel's metadata says (a slower search
+    of every installed package's metadata: 27 ms here)."""
+    import sysconfig
+
+    for scheme in ("purelib", "platlib"):
+        beside = Path(sysconfig.get_paths()[scheme]) / LIBRARY
+        if beside.exists():
+            return beside
+    from importlib import metadata  # (29 ms to import, here)
 
     try:
         path = Path(str(metadata.distribution("cmeel-mimalloc").locate_file(LIBRARY)))
