@@ -53,6 +53,7 @@ from ddptrain.tasks import regression_task
 BENCH = Path(__file__).resolve().parent
 DDPTRAIN = [sys.executable, "-m", "ddptrain"]
 STEPS = 192  # 6 epochs of 32
+ELASTIC_GRACE_S = 2.0  # --elastic-grace: how long a surviving node's rendezvous waits for a replacement
 JOB = ["--task", "fault_tolerance:paced", "--max-epochs", "6", "--batch-size", "32", "--save-seconds", "0"]
 
 
@@ -131,6 +132,10 @@ def restart(folder: Path, gaps: list[int], save_every: int) -> dict[str, float]:
 
 
 def elastic(folder: Path, gaps: list[int], save_every: int) -> dict[str, float]:
+    """Two torchrun agents of one rank each. The surviving agent's rendezvous after a failure
+    waits up to ELASTIC_GRACE_S (its ``last_call_timeout``) for more nodes: a replacement that
+    joins within it is in the same round, so the survivor restarts once per failure, not twice
+    (alone when the node goes, again when its replacement comes)."""
     log, port = folder / "steps", free_port()
     env = _env(STEP_LOG=str(log), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     doomed = {**_doomed("any", folder, gaps), "KILL_NODE": "1"} if gaps else {}
@@ -141,7 +146,7 @@ def elastic(folder: Path, gaps: list[int], save_every: int) -> dict[str, float]:
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
              f"--max-restarts={restarts}", "--monitor-interval=1", "--rdzv-backend=c10d",
              f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=bench",
-             f"--rdzv-conf=is_host={int(host)},last_call_timeout=2", "-m", "ddptrain", "train", *JOB,
+             f"--rdzv-conf=is_host={int(host)},last_call_timeout={ELASTIC_GRACE_S:g}", "-m", "ddptrain", "train", *JOB,
              "--save-every", str(save_every), "--run-dir", str(folder / "run")],
             env={**env, **({} if host else doomed)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)  # a process group per node: KILL_NODE takes the agent with its rank
@@ -227,7 +232,11 @@ def main() -> None:
     parser.add_argument("--mean-steps", type=float, default=40.0, help="the schedule's mean steps between failures")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--paths", default="restart,elastic,torchft")
+    parser.add_argument("--elastic-grace", type=float, default=ELASTIC_GRACE_S,
+                        help="elastic: the rendezvous' last_call_timeout, how long a surviving node waits for a "
+                        "replacement before it goes on alone (default 2)")
     args = parser.parse_args()
+    globals()["ELASTIC_GRACE_S"] = args.elastic_grace
     os.environ["STARTUP_S"] = str(args.startup_s)
     gaps = schedule(args.failures, args.mean_steps, args.seed, args.kill_step)
     paths = {"restart": restart, "elastic": elastic, "torchft": torchft}

@@ -173,10 +173,12 @@ class Board:
         return {rank: texts.get(rank) for rank in ranks}
 
     # --- leaving ---------------------------------------------------------------------------
-    def leave(self, wait_for_others: bool, gone: set[int] | frozenset[int] = frozenset()) -> None:
+    def leave(self, wait_for_others: bool, gone: set[int] | frozenset[int] = frozenset(),
+              within_s: float = LINGER_S) -> None:
         """Mark this rank as leaving (once). The store's host (``wait_for_others``) waits briefly
-        for every other rank to leave first, so nobody finds the store gone while still reading
-        a verdict; not for those ``gone`` (ranks whose process is known to have ended)."""
+        (``within_s`` at most) for every other rank to leave first, so nobody finds the store gone
+        while still reading a verdict; not for those ``gone`` (ranks whose process is known to have
+        ended)."""
         if self.left:
             return
         self.left = True
@@ -184,7 +186,7 @@ class Board:
             self.store.set(self._key(f"left/{self.rank}"), "1")
             if wait_for_others:
                 others = [self._key(f"left/{r}") for r in range(self.world_size) if r != self.rank and r not in gone]
-                deadline = time.monotonic() + LINGER_S
+                deadline = time.monotonic() + within_s
                 while others and not self.store.check(others) and time.monotonic() < deadline:
                     time.sleep(0.02)
         except Exception:  # noqa: BLE001 - the store went first: nothing to wait for

@@ -44,7 +44,7 @@ import torch.distributed.elastic.multiprocessing.errors  # noqa: F401
 from ..comm import CollectiveMarks
 from ..console import say
 from ..errors import ConfigError, PeerFailed, PeerStuck, RankStuck
-from .board import Board, Heartbeat, store_answers
+from .board import LINGER_S, Board, Heartbeat, store_answers
 from .failures import hard_exit, parent_of, record_error
 from .flight import in_flight, last_entered, recent
 from .hangs import dump_stacks, hang_summary, judge_hang, refine
@@ -63,6 +63,7 @@ STORE_LOSS_GRACE_S = 2.0  # the store's host (rank 0) may simply have finished f
 STORE_SILENT_S = (10.0, 30.0)  # a store call unanswered for --timeout, within these bounds: the store is gone
 STORE_PROBE_S = 5.0  # a fresh connection's wait for the store's answer (it answered in 0.3 s as 4,096 ranks started)
 STORE_EXCUSES = 2  # windows a silent call is excused while the store answers fresh connections
+EARLY_LEAVE_S = 0.25  # after a failure, the host's wait for the others beyond one verdict period
 REAPED_WITHIN_S = 0.3  # a failed rank's wait for its dead siblings' reaping (the launcher looks every 0.1 s)
 LOST_STORE = "rank 0 or the launcher has gone, or is frozen (stopped, or its machine unreachable)"
 LOST_CONNECTION = "this rank's connection to it is broken, or this process is starved of CPU"
@@ -204,13 +205,15 @@ class Watchdog(CollectiveMarks):
             time.sleep(STACK_WAIT_S + 5)  # the thread exits the process meanwhile
         self.finished.set()
         wait_until_reaped(self.siblings.values(), REAPED_WITHIN_S)  # (a dead sibling: the launcher sees it first)
-        self._leave()
+        # A living rank reads the job's verdict within a verdict period, and leaves: the store's
+        # host waits no longer for the others (one on another node may be dead: 2 s lost there)
+        self._leave(within_s=self.verdict_period_s + EARLY_LEAVE_S)
         hard_exit(code)
 
-    def _leave(self) -> None:
+    def _leave(self, within_s: float = LINGER_S) -> None:
         if self.board is not None:  # (the store's host waits for the others to leave: not for the dead)
             gone = {rank for rank, pid in self.siblings.items() if parent_of(pid) is None}
-            self.board.leave(wait_for_others=self.hosts_store, gone=gone)
+            self.board.leave(wait_for_others=self.hosts_store, gone=gone, within_s=within_s)
 
     def report_failure(self, error: BaseException) -> bool:
         """Tell every rank that this one failed. True if it is the first failure of the job."""
