@@ -58,3 +58,24 @@ def test_two_jobs_started_together_both_succeed(tmp_path, start, reference):
     assert [job.returncode for job in jobs] == [0, 0], outputs
     for i in range(2):
         assert_same_weights(load_model(tmp_path / str(i)), reference, exact=True)
+
+
+@pytest.mark.slow
+def test_an_elastic_node_replaced_within_the_rendezvous_grace_costs_one_restart(tmp_path, monkeypatch):
+    """benchmarks/fault_tolerance.py's elastic path: two torchrun agents of one rank on loopback,
+    node b's agent and rank SIGKILLed at step 40, a replacement started at once (as an
+    orchestrator does). It joins the survivor's rendezvous within its grace (last_call_timeout):
+    one restart, at world size 2 (no round alone in between), the run resumed from step 20's
+    snapshot (step 40's is not taken: the kill comes in step 40); the failure's teardown
+    (goodput's failure part) under a second."""
+    from ddptrain.observe.goodput import attempts_of, read_timeline
+    from helpers.commands import REPO
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import fault_tolerance
+
+    monkeypatch.setenv("STARTUP_S", "0")
+    found = fault_tolerance.elastic(tmp_path, [40, 10_000], save_every=20)  # (the second never comes: 192 steps)
+    attempts = attempts_of(read_timeline(tmp_path / "run"))
+    assert [(a.start["resumed_from"], a.start["world_size"]) for a in attempts] == [(0, 2), (20, 2)], found
+    assert found["kills"] == 1 and found["steps_redone"] == 19 and 0 < found["failure_s"] < 1, found

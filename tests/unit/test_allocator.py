@@ -58,5 +58,6 @@ def test_what_runs_before_the_re_execution_imports_next_to_nothing():
 
     probe = ("import sys, ddptrain.start, ddptrain.launch.allocator as a; a.mimalloc_path(); "
              "print(' '.join(sorted(sys.modules)))")
-    loaded = set(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split())
+    printed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    loaded = set(printed.split())
     assert not {"ddptrain.config", "ddptrain.cli", "importlib.metadata", "torch"} & loaded, sorted(loaded)
