@@ -9,7 +9,6 @@ checkpointer holds them as ``states`` and decides when a snapshot is written and
 resumes (snapshots/checkpointer.py). The loop that runs them is trainer.py's.
 """
 
-
 from __future__ import annotations
 
 from typing import Any
@@ -23,11 +22,7 @@ from .data import EvalBatches, StreamBatches, eval_subset, is_stream, training_b
 from .errors import ConfigError
 from .evaluations import Evaluations
 from .group_sync import GroupSync
-from .observe.metrics import (
-    EpochLosses,
-    GradNorms,
-    RankTimings,
-)
+from .observe.metrics import EpochLosses, GradNorms, RankTimings
 from .observe.ray_train import RayReports
 from .observe.report import NullReporter, Reporter
 from .observe.step_records import StepRecords, StepWindow

@@ -5,7 +5,7 @@ The command line (cli.py), settings files (``--config FILE.toml`` or a run's own
 ``config.json``) and ``ddptrain.fit(**options)`` all become a ``RunConfig`` through
 ``settings.from_options``, so a setting's name, type, default and help live in exactly one place.
 A ``RunConfig`` never changes once made: later stages derive new ones with
-``dataclasses.replace`` (the task's defaults, a resumed run's batch size), and
+``cfg.replace(...)`` (the task's defaults, a resumed run's batch size), and
 ``config.json`` records the values really used (flat: a setting's name is unique over the sections).
 Here too: what a snapshot must share with the run resuming it (``math_fingerprint``) and what
 names a run's default folder (``identity``).

@@ -7,7 +7,6 @@ by assembly.py's ``Assembly``, its base class, from the settings' sections; ``fi
 epochs -> final evaluation -> model.pt. Read it top to bottom.
 """
 
-
 from __future__ import annotations
 
 import contextlib
@@ -22,9 +21,7 @@ from .console import say
 from .data import MicroBatch, StreamBatches
 from .errors import ConfigError
 from .final_models import write_final_models
-from .observe.metrics import (
-    return_free_memory,
-)
+from .observe.metrics import return_free_memory
 from .optim import SchedulerState, build_schedule
 from .progress import Action
 from .resilience.failures import STEP_NOTE
