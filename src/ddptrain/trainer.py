@@ -118,13 +118,15 @@ class Trainer(Assembly):
             if ended_by == "healed":  # the state is a live peer's: on from where it stands
                 continue
             if ended_by == "preempted":
-                self._save(last=True)
-                self.checkpointer.commit()
+                with self.watchdog.aside():  # (the end: the last snapshot's write is waited for)
+                    self._save(last=True)
+                    self.checkpointer.commit()
                 return "preempted"
         if self.best is not None and self.best.stopped:
             self.reporter.info(f"ddptrain: {self.best.stop_line(self.progress.global_step)}; best model: "
                                f"{self.run_dir / BEST / 'model.pt'}")
-        self._finish(exiting)
+        with self.watchdog.aside():  # the end's writes (the last snapshot, model.pt) take what they take
+            self._finish(exiting)
         return "finished"
 
     def _run_epoch(self, epoch: int) -> str:
@@ -265,8 +267,7 @@ class Trainer(Assembly):
         if exiting:
             self.optimizer.state.clear()
             return_free_memory()  # the moments' blocks are shards: the whole tensors cannot reuse them
-        with self.watchdog.aside():  # (a big model's files take their time)
-            write_final_models(self.strategy, self.module, self.average, self.run_dir, self.uploads)
+        write_final_models(self.strategy, self.module, self.average, self.run_dir, self.uploads)
         with self.watchdog.waiting("the end: waiting for model.pt"):
             dist.barrier()  # model.pt is complete before any rank reports success
         self.reporter.finish(self.progress.global_step)
