@@ -35,7 +35,10 @@ class Section:
 
 
 DEFAULT_EPOCHS = 5  # when neither --max-epochs nor --max-steps is given
-SYNC_EVERY, OUTER_LR, OUTER_MOMENTUM = 50, 0.7, 0.9  # --sync local-sgd|diloco (DiLoCo's paper: 500, 0.7, 0.9)
+SYNC_EVERY = 50  # --sync local-sgd|diloco's default (DiLoCo's paper: 500)
+# The outer step runs begun before 0.6 took when --outer-lr and --outer-momentum were left out (the
+# DiLoCo paper's): their snapshots' fingerprints hold these; --sync diloco now needs both given.
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 TRACKERS = ("csv", "tensorboard", "mlflow", "wandb")  # observe/trackers.py
 ADAM_BETAS, ADAM_EPS = "0.9,0.999", 1e-8  # torch's AdamW defaults
 LOG_EVERY, LOG_TIMES = 10, 4  # --log-every's default: every 10 steps, or 4 times in a shorter run
@@ -145,9 +148,10 @@ class ParallelSettings(Section):
                      choices=("every-step", "local-sgd", "diloco"), default="every-step")
     sync_every: int | None = _opt(f"local-sgd, diloco: optimizer steps between syncs (default {SYNC_EVERY})",
                                   default=None)
-    outer_lr: float | None = _opt(f"diloco: the outer SGD's learning rate (default {OUTER_LR})", default=None)
-    outer_momentum: float | None = _opt(f"diloco: the outer SGD's Nesterov momentum (default {OUTER_MOMENTUM}; 0: "
-                                        "plain SGD)", default=None)
+    outer_lr: float | None = _opt("diloco: the outer SGD's learning rate (required: no value held on every job "
+                                  "measured, docs/slow-links.md; 1 with --outer-momentum 0 is local SGD)", default=None)
+    outer_momentum: float | None = _opt("diloco: the outer SGD's Nesterov momentum (required; 0: plain SGD)",
+                                        default=None)
     comm_hook: str = _opt("ddp: the gradients' communication hook (fp16, bf16: compressed all-reduce; "
                           "powersgd: low-rank)", choices=("none", "fp16", "bf16", "powersgd"), default="none")
     static_graph: bool = _opt("ddp: tell DDP the graph is the same every step", default=False)

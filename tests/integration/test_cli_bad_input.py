@@ -78,7 +78,11 @@ CASES = [
     (["--sync", "diloco", "--strategy", "fsdp"], {}, "--sync diloco trains DDP inside each replica group, without "
      "--strategy fsdp for now"),
     (["--sync", "local-sgd", "--ema", "0.9"], {}, "without --ema for now"),
-    (["--sync", "diloco", "--nproc", "2"], {}, "--sync diloco needs 2 or more replica groups, and this job has one"),
+    (["--sync", "diloco", "--outer-lr", "1", "--outer-momentum", "0.5", "--nproc", "2"], {},
+     "--sync diloco needs 2 or more replica groups, and this job has one"),
+    (["--sync", "diloco", "--replicas", "2", "--outer-lr", "1"], {},
+     "--sync diloco needs --outer-momentum: no outer step held on every job measured"),
+    (["--sync", "diloco", "--replicas", "2"], {}, "--sync diloco needs --outer-lr and --outer-momentum: no outer step"),
     (["--sync", "local-sgd", "--nproc", "2", "--replicas", "3"], {}, "--replicas 3 does not divide the 2 ranks"),
     (["--sync", "diloco", "--fault-tolerance", "torchft", "--replica-groups", "2", "--replicas", "2"], {},
      "--replicas splits one job's ranks into groups; under --fault-tolerance torchft each replica group is a job"),

@@ -296,7 +296,7 @@ def _lighthouse_lost(tmp_path: Path, frozen: bool, back_after_s: float | None, *
             kill_tree(process)
 
 
-DILOCO = ("--sync", "diloco", "--sync-every", "4")
+DILOCO = ("--sync", "diloco", "--sync-every", "4", "--outer-lr", "0.7", "--outer-momentum", "0.9")
 
 
 @pytest.mark.parametrize("frozen,sync", [(False, ()), (True, ()), (True, DILOCO)],

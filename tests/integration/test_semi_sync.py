@@ -25,6 +25,8 @@ pytestmark = pytest.mark.slow
 TASKS = "ddptrain_test_tasks:"
 BASE = {"max_epochs": 1, "lr": 0.05, "momentum": 0.9}  # the tutorial's job: 32 steps an epoch on 2 ranks
 GROUPS = {"replicas": 2}
+# --sync diloco needs its outer step given (the DiLoCo paper's here, which 0.5 took by default)
+OUTER = {"diloco": {"outer_lr": 0.7, "outer_momentum": 0.9}, "local-sgd": {}}
 
 
 def test_a_sync_every_step_with_a_plain_outer_step_is_every_step_ddp(tmp_path):
@@ -44,7 +46,7 @@ def test_diloco_with_a_plain_outer_step_is_local_sgd_at_any_interval(tmp_path):
     options = {"sync_every": 4, "optimizer": "adamw", **GROUPS, **BASE}
     fit("regression", tmp_path / "local", sync="local-sgd", **options)
     fit("regression", tmp_path / "diloco", sync="diloco", outer_lr=1.0, outer_momentum=0.0, **options)
-    fit("regression", tmp_path / "nesterov", sync="diloco", **options)  # the defaults: 0.7, Nesterov 0.9
+    fit("regression", tmp_path / "nesterov", sync="diloco", outer_lr=0.7, outer_momentum=0.9, **options)  # the paper's
     local = load_model(tmp_path / "local")
     assert_same_weights(load_model(tmp_path / "diloco"), local)
     assert not torch.allclose(load_model(tmp_path / "nesterov")["weight"], local["weight"])
@@ -60,7 +62,7 @@ def test_the_groups_agree_right_after_each_sync_and_differ_between(tmp_path, kin
     log = tmp_path / "weights"
     log.mkdir()
     fit("semi_sync_tasks:logged_weights", tmp_path / "run", env={"WEIGHTS_LOG": str(log)}, sync=kind,
-        sync_every=4, max_steps=12, **GROUPS, **BASE)
+        sync_every=4, max_steps=12, **OUTER[kind], **GROUPS, **BASE)
     ranks = [_weights_by_step(log, rank) for rank in (0, 1)]
     assert sorted(ranks[0]) == sorted(ranks[1]) == list(range(1, 13))
     agree = [n for n in range(1, 13) if ranks[0][n] == ranks[1][n]]  # the weights before step n
@@ -75,7 +77,7 @@ def test_the_groups_meet_in_one_all_reduce_per_sync_and_nothing_between(tmp_path
     DDP's gradient all-reduce inside the group every step, and the sync's beside it at steps 4 and 8.
     The step records (--log-every 4) run theirs beside the stop agreement only."""
     fit("regression", tmp_path, nproc=nproc, sync="diloco", sync_every=4, max_steps=9, profile=7, batch_size=8,
-        log_every=4, **GROUPS)
+        log_every=4, **OUTER["diloco"], **GROUPS)
     steps = collectives_per_step(tmp_path)
     pop_step_records(steps, every=4)
     for step in steps:
@@ -91,7 +93,7 @@ def test_diloco_killed_between_syncs_resumes_bitwise_from_the_last_sync(tmp_path
     6 steps (taken at the next sync: 8, 12, 20, 24, ...), rank 1 SIGKILLed at its 23rd step; the
     restart resumes from a sync and ends bitwise equal to a run never interrupted."""
     options = {"sync": "diloco", "sync_every": 4, "save_every": 6, "optimizer": "adamw", "max_epochs": 2,
-               "lr": 0.01, **GROUPS}
+               "lr": 0.01, **OUTER["diloco"], **GROUPS}
     fit("regression", tmp_path / "whole", **options)
     env = {"KILL_RANK": "1", "KILL_STEP": "23", "KILL_MARKER": str(tmp_path / "killed"),
            "KILL_ONCE_SAVED": str(tmp_path / "run" / "snapshots")}

@@ -27,15 +27,17 @@ def lighthouse(request):
 @pytest.mark.parametrize("kind", ["diloco", "local-sgd"])
 def test_with_every_group_present_two_torchft_groups_are_one_jobs_two_groups(lighthouse, tmp_path, kind):
     """Group G reads rank G's share of 2, as rank G of a 2-rank job in 2 groups of one does; both
-    meet every 4 steps. DiLoCo (its default outer step: lr 0.7, Nesterov 0.9) is bitwise that
+    meet every 4 steps. DiLoCo (the paper's outer step: lr 0.7, Nesterov 0.9) is bitwise that
     job's: the same mean of two pseudo-gradients, the same outer step; the groups' first meeting,
     before any step, brings nothing and changes nothing. Local SGD is allclose (across jobs it
     is the mean of the pseudo-gradients subtracted from the last synced weights; in one job,
     torch's average of the weights)."""
-    options = ("--task", "regression", "--max-epochs", "2", "--nproc", "1", "--sync", kind, "--sync-every", "4")
+    outer = ("--outer-lr", "0.7", "--outer-momentum", "0.9") if kind == "diloco" else ()
+    options = ("--task", "regression", "--max-epochs", "2", "--nproc", "1", "--sync", kind, "--sync-every", "4", *outer)
     groups = [group_job(lighthouse, g, tmp_path / f"group-{g}", *options) for g in (0, 1)]
     logs = [wait_ok(p) for p in groups]
-    fit("regression", tmp_path / "one-job", sync=kind, sync_every=4, replicas=2, max_epochs=2, batch_size=16)
+    fit("regression", tmp_path / "one-job", sync=kind, sync_every=4, replicas=2, max_epochs=2, batch_size=16,
+        **({"outer_lr": 0.7, "outer_momentum": 0.9} if kind == "diloco" else {}))
     weights = [load_model(tmp_path / f"group-{g}") for g in (0, 1)]
     assert_same_weights(weights[0], weights[1], exact=True)
     assert_same_weights(weights[0], load_model(tmp_path / "one-job"), exact=kind == "diloco")
@@ -58,7 +60,7 @@ def test_a_group_killed_between_meetings_leaves_the_other_training_and_heals_at_
     kill = {"KILL_RANK": "0", "KILL_STEP": "27", "KILL_MARKER": str(tmp_path / "killed"),
             "KILL_ONCE_SAVED": str(tmp_path / "group-1" / "snapshots"), "STEP_SLEEP": "0.05"}
     options = ("--task", "ft_tasks:kill_paced", "--max-epochs", "3", "--save-every", "8", "--nproc", "1",
-               "--sync", "diloco", "--sync-every", "4")
+               "--sync", "diloco", "--sync-every", "4", "--outer-lr", "0.7", "--outer-momentum", "0.9")
     log0, log1 = group_1_killed_and_restarted(lighthouse, tmp_path, options, kill)
     left = [int(s) for s in re.findall(r"step (\d+): replica group 1 left; 1 of 2 groups train on", log0)]
     joined = [int(s) for s in re.findall(r"step (\d+): replica group 1 joined; 2 of 2 groups train", log0)]
