@@ -83,7 +83,7 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
         return cast("Outcome", run(cfg, factory, local_rank_arg)), env.rank  # (@record's None: SystemExit(0))
     from .launch.group import check_comm_hook, resolve_device_kind
     from .launch.local import auto_nproc, launch_local, new_job_id
-    from .observe.goodput import exited
+    from .observe.goodput import exited, timeline_size
     from .resilience.hold import RunDirHold
 
     nproc = parse_nproc(cfg.nproc) or auto_nproc(cfg.device)
@@ -95,11 +95,12 @@ def execute(cfg: RunConfig, factory: TaskFactory | None, local_rank_arg: int | N
         say(line)
     node = env.node_rank  # the first node holds the run dir
     hold = RunDirHold(home, new_job_id()).acquire() if node == 0 else None
+    timeline = timeline_size(home.local)
     try:
         return launch_local(cfg, nproc, device_kind, factory, env), node * nproc
     finally:
-        if hold is not None:
-            exited(home.local)  # the attempt ends here, its ranks gone (goodput's wall and failure part)
+        if hold is not None:  # the attempt, if one began, ends here, its ranks gone (goodput's wall)
+            exited(home.local, since=timeline)
             hold.release()
 
 

@@ -59,9 +59,12 @@ class CollectiveMarks:
     def phase(self, label: str) -> None:
         """What this rank is doing outside collectives: a start-up stage, or "step N"."""
 
-    def training_begins(self) -> None:
+    def training_begins(self, alone: bool = True) -> None:
         """The training loop starts: from now on a rank that stops moving is a hang (a one-rank
-        job's, which no peer waits for: resilience/stall.py)."""
+        job's, which no peer waits for, ``alone``: resilience/stall.py)."""
+
+    def training_ends(self) -> None:
+        """The training loop is over (the end's writes and waits are not judged)."""
 
     @contextlib.contextmanager
     def aside(self) -> Iterator[None]:

@@ -108,26 +108,34 @@ class Trainer(Assembly):
             self.reporter.log(self._evaluation(0, final=True))
         self.groups.start(self.progress.global_step)  # torchft's --sync groups meet (a restarted one heals)
         self.records.start()
-        self.watchdog.training_begins()  # (a one-rank job: from now on, standing still is a hang)
+        # (a one-rank job alone: standing still in the loop is a hang; torchft's groups are not alone)
+        self.watchdog.training_begins(alone=self.replicas is None)
+        try:
+            ended_by = self._run_epochs()
+        finally:
+            self.watchdog.training_ends()  # (the end's writes and waits take what they take)
+        if ended_by == "preempted":
+            self._save(last=True)
+            self.checkpointer.commit()
+            return "preempted"
+        if self.best is not None and self.best.stopped:
+            self.reporter.info(f"ddptrain: {self.best.stop_line(self.progress.global_step)}; best model: "
+                               f"{self.run_dir / BEST / 'model.pt'}")
+        self._finish(exiting)
+        return "finished"
+
+    def _run_epochs(self) -> str:
+        """Epochs until the cadence says the run is done (``"done"``) or a stop signal came (``"preempted"``)."""
         while not self.cadence.done():
             try:
                 ended_by = self._run_epoch(self.progress.epoch)
             except Exception as error:  # the failure report names the step it happened in
                 error.add_note(f"{STEP_NOTE}{self.progress.global_step + 1}")
                 raise
-            if ended_by == "healed":  # the state is a live peer's: on from where it stands
-                continue
             if ended_by == "preempted":
-                with self.watchdog.aside():  # (the end: the last snapshot's write is waited for)
-                    self._save(last=True)
-                    self.checkpointer.commit()
-                return "preempted"
-        if self.best is not None and self.best.stopped:
-            self.reporter.info(f"ddptrain: {self.best.stop_line(self.progress.global_step)}; best model: "
-                               f"{self.run_dir / BEST / 'model.pt'}")
-        with self.watchdog.aside():  # the end's writes (the last snapshot, model.pt) take what they take
-            self._finish(exiting)
-        return "finished"
+                return ended_by
+            # (ended_by "healed": the state is a live peer's, on from where it stands)
+        return "done"
 
     def _run_epoch(self, epoch: int) -> str:
         """One pass over this rank's shard: ``"done"``, or ``"preempted"`` after a stop signal.

@@ -189,7 +189,9 @@ def test_report_and_export_read_a_run_on_the_store_as_its_mirror(s3_server, tmp_
         return s3_server.filesystem().cat_file(url.removeprefix("s3://") + "/timeline.jsonl").decode()
 
     ours = (mirror / "timeline.jsonl").read_text()
-    assert ours.rstrip().splitlines()[-1].startswith('{"e":"closed"') and ours.startswith(stored_timeline())
+    last = ours.rstrip().splitlines()[-2:]  # (the end's waits, then the launcher's exit once its ranks are gone)
+    assert last[0].startswith('{"e":"closed"') and last[1].startswith('{"e":"exit"'), last
+    assert ours.startswith(stored_timeline())
     fit("regression", url, max_epochs=1)  # the same command again: already finished, the store's files pulled
     assert (mirror / "timeline.jsonl").read_text() == ours
     assert main(["report", url, "--sync", "store"]) == 0

@@ -160,11 +160,18 @@ class Timeline:
         self.end_at += len(data)
 
 
-def exited(run_dir: Path) -> None:
-    """The attempt's end, where this process's is: an ``exit`` line (rank 0 leaving after a
-    failure, ddptrain's launcher once its ranks are gone), if the run has a timeline."""
+def timeline_size(run_dir: Path) -> int:
+    """How long the run's timeline is now (0: none yet): ``exited(run_dir, since=...)``'s mark."""
     path = Path(run_dir) / TIMELINE
-    if path.is_file():
+    return path.stat().st_size if path.is_file() else 0
+
+
+def exited(run_dir: Path, since: int = -1) -> None:
+    """The attempt's end, where this process's is: an ``exit`` line (rank 0 leaving after a
+    failure, ddptrain's launcher once its ranks are gone), if the run has a timeline that grew
+    past ``since`` (a launch that found the run finished began no attempt: nothing to end)."""
+    path = Path(run_dir) / TIMELINE
+    if path.is_file() and path.stat().st_size > since:
         with open(path, "a") as handle:
             handle.write(json.dumps({"e": "exit", "t1": time.time()}, separators=(",", ":")) + "\n")
 

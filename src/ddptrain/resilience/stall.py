@@ -34,10 +34,14 @@ class StallWatch:
         self.marks, self.timeout_s, self.run_dir = marks, timeout_s, run_dir
         self.finished, self.period_s = finished, period_s
         self.main_thread = threading.get_ident()
+        self.over = threading.Event()  # the loop is over: the end's writes and waits are not judged
 
     def start(self) -> StallWatch:
         threading.Thread(target=self._run, name="ddptrain-stall-watch", daemon=True).start()
         return self
+
+    def stop(self) -> None:
+        self.over.set()
 
     def _now(self) -> tuple[Any, ...]:
         marks = self.marks
@@ -45,7 +49,7 @@ class StallWatch:
 
     def _run(self) -> None:
         seen, since = self._now(), time.monotonic()
-        while not self.finished.wait(self.period_s):
+        while not self.finished.wait(self.period_s) and not self.over.is_set():
             now = self._now()
             if now != seen or self.marks.aside_depth:  # moving, or in an evaluation or a snapshot
                 seen, since = now, time.monotonic()

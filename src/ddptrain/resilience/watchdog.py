@@ -137,6 +137,7 @@ class Watchdog(CollectiveMarks):
         self.store_answered = False  # the thread's first round of store calls has ended
         self.winner: dict[str, Any] | None = None  # the job's verdict, as report_failure found it
         self.siblings: dict[int, int] = {}  # rank -> pid of the other ranks this machine's launcher started
+        self.stall_watch: StallWatch | None = None  # a one-rank job's, while its loop runs
 
     # --- called by the training loop -------------------------------------------------------
     def arrive(self, label: str, step: int | None = None, timed: bool = True) -> None:
@@ -163,15 +164,20 @@ class Watchdog(CollectiveMarks):
         hang in the task's own collectives happened)."""
         self.label, self.step = label, None
 
-    def training_begins(self) -> None:
+    def training_begins(self, alone: bool = True) -> None:
         """Every rank has started: each notes which ranks are its siblings on this machine (the
         store's host does not wait for a dead one to leave; a rank leaving after a failure lets
         the launcher see a dead one first); a job of one rank starts its stall watch (no peer
-        would ever wait for it)."""
+        would ever wait for it; not a torchft replica group's, ``alone`` False: its waits are the
+        groups' meetings, which torchft's timeouts and the lighthouse's watch judge)."""
         if self.run_dir is not None and self.world_size > 1:
             self.siblings = siblings_of(self.run_dir / "pids", self.rank)
-        if self.world_size == 1 and self.timeout_s > 0:
-            StallWatch(self, self.timeout_s, self.run_dir, self.finished, self.period_s).start()
+        if self.world_size == 1 and alone and self.timeout_s > 0:
+            self.stall_watch = StallWatch(self, self.timeout_s, self.run_dir, self.finished, self.period_s).start()
+
+    def training_ends(self) -> None:
+        if self.stall_watch is not None:
+            self.stall_watch.stop()
 
     @contextlib.contextmanager
     def aside(self) -> Iterator[None]:
