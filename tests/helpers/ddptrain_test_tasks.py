@@ -38,21 +38,6 @@ def fail_on_rank(cfg) -> Task:
 kill_at_step = killable(regression_task)
 
 
-def peer_fails_while_saving(cfg) -> Task:
-    """fail_on_rank, and every snapshot file takes SAVE_SLEEP seconds more to write (rank 0's)."""
-    import ddptrain.snapshots.files as files
-
-    real_save = files.atomic_save
-
-    def slow_save(obj, path):
-        if path.name.startswith("step-"):
-            time.sleep(float(os.environ.get("SAVE_SLEEP", "0")))
-        real_save(obj, path)
-
-    files.atomic_save = slow_save
-    return fail_on_rank(cfg)
-
-
 def kill_while_snapshotting(cfg) -> Task:
     """On the first attempt, rank 0 dies half-way through writing its KILL_SNAPSHOT-th snapshot
     file: half the bytes are in the temporary file when SIGKILL arrives."""
@@ -197,30 +182,6 @@ def wait_for_ever():
 def slow_data(cfg) -> Task:
     task = regression_task(cfg)
     task.train_set = _SlowOnOneRank(task.train_set)
-    return task
-
-
-class _SleepsOnce(torch.utils.data.Dataset):
-    """``inner``'s samples; the first one read in this process first sleeps EVAL_SLEEP seconds."""
-
-    def __init__(self, inner):
-        self.inner, self.slept = inner, False
-
-    def __len__(self):
-        return len(self.inner)
-
-    def __getitem__(self, index):
-        if not self.slept:
-            self.slept = True
-            time.sleep(float(os.environ.get("EVAL_SLEEP", "0")))
-        return self.inner[index]
-
-
-def slow_evaluation(cfg) -> Task:
-    """The regression task with an evaluation set (its first 256 samples) whose first evaluation
-    sleeps EVAL_SLEEP seconds."""
-    task = regression_task(cfg)
-    task.eval_set = _SleepsOnce(torch.utils.data.Subset(task.train_set, range(256)))
     return task
 
 

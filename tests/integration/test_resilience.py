@@ -187,7 +187,7 @@ def test_a_job_of_one_rank_that_hangs_is_named_with_its_stack_and_ends(tmp_path)
     assert "wait_for_ever" in (tmp_path / "hung" / "logs" / "stacks" / "rank-0.txt").read_text()
     assert not any(alive(pid) for pid in _rank_pids(tmp_path / "hung"))
 
-    slow = ddptrain_cli("train", "--task", TASKS + "slow_evaluation", "--nproc", "1", "--timeout", str(timeout),
+    slow = ddptrain_cli("train", "--task", "exit_tasks:slow_evaluation", "--nproc", "1", "--timeout", str(timeout),
                         "--max-epochs", "2", "--run-dir", str(tmp_path / "evaluated"),
                         env=clean_env(EVAL_SLEEP=str(timeout + 2)), timeout=120)
     assert_ok(slow)

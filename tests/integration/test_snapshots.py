@@ -333,7 +333,7 @@ def test_rank_0_finishes_its_snapshot_write_when_a_peers_failure_ends_it(tmp_pat
     """Rank 0's step-10 snapshot takes 3 s to write; rank 1 raises at step 12, and rank 0's
     watchdog ends its process on that verdict (os._exit), which cut the write before."""
     started = time.monotonic()
-    result = ddptrain_cli("train", "--task", TASKS + "peer_fails_while_saving", "--nproc", "2", "--save-every", "10",
+    result = ddptrain_cli("train", "--task", "exit_tasks:peer_fails_while_saving", "--nproc", "2", "--save-every", "10",
                           "--save-seconds", "0", "--run-dir", str(tmp_path),
                           env=clean_env(FAIL_RANK="1", FAIL_STEP="12", SAVE_SLEEP="3"), timeout=120)
     assert result.returncode == 1 and "deliberate failure on rank 1 at step 12" in result.stderr, result.stderr
