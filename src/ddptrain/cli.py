@@ -1,4 +1,5 @@
-"""``ddptrain train | env | report | export | lighthouse | bench``: parse, validate, then launch or run as one rank.
+"""``ddptrain train | plan | env | report | export | lighthouse | bench``: parse, validate, then launch or
+run as one rank.
 
 Every mistake in the input is one line on stderr and exit status 2, before any rank starts
 (or, when only the ranks can know it, before any training step).
@@ -64,6 +65,42 @@ def _add_flag(group: argparse._ArgumentGroup, field: dataclasses.Field[Any]) -> 
                            choices=meta.get("choices"), help=help_text)
 
 
+def _add_plan_parser(commands: Any) -> None:
+    """``ddptrain plan``: train's flags, the target's shape and the machine's figures."""
+    from .plan.estimate import Hardware
+
+    plan = commands.add_parser("plan", help="a dry run of the job as a few ranks of its real world size (fake "
+                               "process group, this machine's CPU): memory, collectives, snapshot, time, goodput; "
+                               "refuses what would fail at that scale (exit 2)")
+    plan.add_argument("--config", default=None, help="settings from a TOML file or a run's config.json, as for train")
+    shape = plan.add_argument_group("the target", "the job's shape at the scale planned for")
+    shape.add_argument("--world-size", type=int, default=None, help="ranks in all (or --nnodes x --nproc-per-node)")
+    shape.add_argument("--nnodes", type=int, default=None, help="nodes (with --nproc-per-node)")
+    shape.add_argument("--nproc-per-node", type=int, default=None, help="ranks (GPUs) per node (default: 8, or the "
+                       "world size when smaller)")
+    shape.add_argument("--ranks", default="0,-1", help="the ranks to run, negative from the end (default: 0,-1, "
+                       "the first and the last)")
+    shape.add_argument("--steps", type=int, default=None, help="optimizer steps each planned rank runs; the last "
+                       "one's collectives are counted (default and fewest: 3 under ddp, whose second step rebuilds its "
+                       "buckets; 2 otherwise)")
+    shape.add_argument("--global-batch", type=int, default=None, help="keep this global batch: --batch-size becomes "
+                       "it over the ranks and --grad-accum (refused when it does not divide)")
+    shape.add_argument("--json", action="store_true", help="the plan as JSON (for a CI gate before submitting)")
+    figures = plan.add_argument_group("the machine", "figures the estimates start from (defaults: an H100 node)")
+    hw = Hardware()
+    for name, text in (("tflops", "achieved TFLOP/s per rank"), ("link_gbps", "one rank's network Gbit/s between "
+                       "nodes"), ("node_gbps", "one rank's Gbit/s inside a node"), ("copy_gbs", "GB/s of a "
+                       "snapshot's copy off the device (what blocks the step)"), ("write_gbs", "the file system's "
+                       "write GB/s for the whole job"), ("start_seconds", "seconds a restarted job takes to start"),
+                       ("rank_mttf_hours", "one rank's (GPU's) mean time to failure, hours: the job's is this over "
+                        "the ranks, unless --mttf-hours gives the job's")):
+        figures.add_argument(flag(name), dest=name,
+                             type=float, default=getattr(hw, name), help=f"{text} (default: {getattr(hw, name):g})")
+    figures.add_argument("--memory-per-rank", dest="memory_per_rank_gb", type=float, default=None, metavar="GB",
+                         help="refuse a plan whose peak per rank is above this many GB")
+    _add_config_flags(plan)
+
+
 def build_parser() -> OneLineParser:
     parser = OneLineParser(prog="ddptrain", description="DistributedDataParallel training "
                            "that works the same under every launcher.")
@@ -77,6 +114,7 @@ def build_parser() -> OneLineParser:
     # torch.distributed.launch without --use-env passes this to every rank.
     train.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int,
                        default=None, help=argparse.SUPPRESS)
+    _add_plan_parser(commands)
     commands.add_parser("env", help="what torch, CUDA and the launcher look like from here")
     report = commands.add_parser("report", help="summary table, goodput over every attempt, curves.png and "
                                  "goodput.png of a run")
@@ -254,6 +292,54 @@ def export_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan_command(args: argparse.Namespace) -> int:
+    from .api import prepare
+    from .plan import chosen_ranks, make_plan, refusals, steady_step, with_global_batch
+    from .plan.estimate import Hardware
+
+    target = plan_target(args.world_size, args.nnodes, args.nproc_per_node)
+    cfg, factory = prepare(None, given_options(args), args.config)  # the same checks as train's
+    fewest = steady_step(cfg.strategy) + 1
+    steps = fewest if args.steps is None else args.steps
+    if steps < fewest:
+        raise ConfigError(f"--steps {steps}: a plan of --strategy {cfg.strategy} runs at least {fewest} steps (the "
+                          "steps before are not steady: DDP rebuilds its buckets and shares their order in its "
+                          f"second); give --steps {fewest} or more")
+    cfg = with_global_batch(cfg, target, args.global_batch)
+    hw = Hardware(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware)})
+    found = make_plan(cfg, factory, target, chosen_ranks(args.ranks, target.world_size), hw, steps)
+    refused = refusals(found, cfg, hw)
+    if args.json:
+        print(json.dumps({**found, "refusals": refused}, indent=2))
+    else:
+        from .plan.report import format_plan
+
+        print(format_plan(found))
+    for line in refused:
+        print(f"ddptrain: error: {line}", file=sys.stderr)
+    return 2 if refused else 0
+
+
+def plan_target(world_size: int | None, nnodes: int | None, per_node: int | None) -> Any:
+    """The target's shape from --world-size, --nnodes and --nproc-per-node."""
+    from .plan.rank import Target
+
+    if world_size is None and nnodes is None:
+        raise ConfigError("ddptrain plan needs the target's size: --world-size W, or --nnodes N --nproc-per-node G")
+    if nnodes is not None:
+        per_node = per_node or 8
+        if world_size is not None and world_size != nnodes * per_node:
+            raise ConfigError(f"--world-size {world_size} is not --nnodes {nnodes} x --nproc-per-node {per_node}; "
+                              "give one or the other")
+        world_size = nnodes * per_node
+    assert world_size is not None
+    per_node = per_node or min(world_size, 8)
+    if world_size < 1 or per_node < 1 or world_size % per_node:
+        raise ConfigError(f"--world-size {world_size} is not a whole number of nodes of --nproc-per-node {per_node}; "
+                          "give sizes that divide")
+    return Target(world_size, per_node)
+
+
 def env_command(args: argparse.Namespace) -> int:
     from .launch.envinfo import environment_report
 
@@ -267,7 +353,7 @@ def lighthouse_command(args: argparse.Namespace) -> int:
     return serve(args.bind, args.min_replicas, args.heartbeat_timeout_ms, args.join_timeout_ms)
 
 
-COMMANDS = {"train": train, "env": env_command, "report": report, "export": export_command,
+COMMANDS = {"train": train, "plan": plan_command, "env": env_command, "report": report, "export": export_command,
             "lighthouse": lighthouse_command}
 
 

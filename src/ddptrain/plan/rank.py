@@ -1,0 +1,324 @@
+"""One planned rank: the real task, strategy, data split, step and optimizer, run as rank r of
+the target world through the fake process group (fake_group.py), and what it holds and sends.
+
+What is measured, not modelled: the bytes of every tensor this rank holds after a step
+(parameters, gradients, optimizer state, buffers: the local shards of FSDP's DTensors), the
+tensors one micro-batch's forward saves for the backward, the collectives a steady step starts
+(kind, elements, dtype: ``CollectiveCount``), the FLOPs of a step (torch's FlopCounterMode, as
+the Trainer counts them), the state a snapshot holds, and this rank's share of the data (the
+samplers' own arithmetic).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+import itertools
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..comm import DistContext
+from ..config import RunConfig
+from ..data import training_batches
+from ..data.batches import eval_batch_ranges, eval_shard
+from ..data.sampling import StepSampler
+from ..data.streams import is_stream
+from ..observe.metrics import GradNorms, RankTimings
+from ..observe.throughput import FlopCount
+from ..optim import build_optimizer
+from ..parallel import make_strategy
+from ..parallel.base import Strategy, find_blocks
+from ..resilience.guard import NonFiniteGuard
+from ..snapshots.rng import capture_rng
+from ..step import OptimizerStep
+from ..tasks.protocol import Task
+from .fake_group import as_rank, plan_comm_hook
+
+KINDS = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
+         "c10d::_reduce_scatter_base_": "reduce_scatter", "c10d::allgather_": "all_gather",
+         "c10d::reduce_scatter_": "reduce_scatter", "c10d::barrier": "barrier"}
+
+
+@dataclasses.dataclass
+class Target:
+    """The job's shape at the scale planned for."""
+
+    world_size: int
+    nproc_per_node: int
+
+    @property
+    def nnodes(self) -> int:
+        return self.world_size // self.nproc_per_node
+
+
+@dataclasses.dataclass
+class RankFigures:
+    """What one rank of the target world holds, sends and trains on."""
+
+    rank: int
+    parameters: int  # elements of the parameters this rank holds
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    buffer_bytes: int
+    activation_bytes: int  # tensors one micro-batch's forward saves for the backward
+    gathered_bytes: int  # fsdp/hsdp: whole parameters in flight (the root unit, two blocks)
+    snapshot_bytes: int  # this rank's part of a snapshot
+    generator_bytes: int  # this rank's random generators' states (rank 0 writes every rank's)
+    flops_per_step: int
+    collectives: dict[str, dict[str, int | str]]  # "all_reduce[21]": {kind, elements, dtype, bytes, count}
+    steps_per_epoch: int | None  # None: a stream's epoch ends when it does
+    train_samples: int | None  # this rank's samples in an epoch (None: a stream)
+    stand_ins: int  # micro-batches an epoch in which this rank has no sample (weight 0)
+    eval_samples: int | None  # this rank's share of the evaluation set (None: no evaluation set)
+    eval_batches: int
+    eval_repeats: int  # batches run only to keep FSDP's all-gathers matched
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of this rank's part of ``tensor`` (a DTensor's local shard)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def plan_rank(cfg: RunConfig, factory: Any, target: Target, rank: int, steps: int = 2) -> RankFigures:
+    """Rank ``rank`` of ``target`` for ``steps`` optimizer steps, through the fake process group."""
+    with as_rank(rank, target.world_size):
+        ctx = DistContext(rank, target.world_size, rank % target.nproc_per_node, target.nproc_per_node,
+                          torch.device("cpu"), "fake")
+        return measure_rank(cfg, factory, ctx, steps)
+
+
+def measure_rank(cfg: RunConfig, factory: Any, ctx: DistContext, steps: int = 2) -> RankFigures:
+    """What this rank of the process group it is in (the fake one, or a real one to check the
+    plan by) holds and sends over ``steps`` optimizer steps (the last one's collectives counted)."""
+    from .. import tasks
+
+    task = tasks.build(cfg, factory)
+    cfg = cfg.with_task_defaults(task.defaults)
+    # (compiling would only slow the plan: what a rank holds and sends is the same)
+    parallel = dataclasses.replace(cfg.parallel, comm_hook="none" if ctx.backend == "fake" else cfg.comm_hook,
+                                   compile=False)
+    strategy = make_strategy(parallel, ctx, cfg.precision)
+    module = task.model
+    model = strategy.wrap(module, task)
+    if ctx.backend == "fake" and isinstance(model, DistributedDataParallel):
+        model.register_comm_hook(None, plan_comm_hook(cfg.comm_hook))
+    step = _step(task, cfg, ctx, strategy, model, module)
+    groups = _epochs(step.batches)
+    with ActivationProbe(module) as activations:  # (the first micro-batch's forward)
+        step.run(next(groups), 0)
+    for index in range(1, steps - 1):
+        step.run(next(groups), index)
+    with CollectiveCount() as collectives:
+        step.run(next(groups), steps - 1)
+    generators = _serialised(capture_rng())  # (snapshots/rng.py)
+    return RankFigures(
+        rank=ctx.rank, parameters=sum(_local(p).numel() for p in module.parameters()),
+        parameter_bytes=sum(tensor_bytes(p) for p in module.parameters()),
+        gradient_bytes=sum(tensor_bytes(p.grad) for p in module.parameters() if p.grad is not None),
+        optimizer_bytes=sum(tensor_bytes(v) for s in step.optimizer.state.values() for v in s.values()
+                            if isinstance(v, torch.Tensor)),
+        buffer_bytes=sum(tensor_bytes(b) for b in module.buffers()),
+        activation_bytes=activations.bytes, gathered_bytes=_gathered_bytes(strategy, module, task, cfg.precision),
+        snapshot_bytes=_snapshot_bytes(strategy, module, step.optimizer, ctx) + (generators * ctx.world_size
+                                                                                 if ctx.is_main else 0),
+        generator_bytes=generators,
+        flops_per_step=step.flops.per_step or 0, collectives=collectives.table(),
+        **_data_shares(task, cfg, ctx, strategy, step.batches.steps_per_epoch))
+
+
+def _epochs(batches: Any) -> Iterator[list[Any]]:
+    """The optimizer steps' micro-batches, epoch after epoch (a plan may outlast a small set's epoch)."""
+    for epoch in itertools.count():
+        batches.set_epoch(epoch)
+        yield from batches.steps()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _step(task: Task, cfg: RunConfig, ctx: DistContext, strategy: Strategy, model: torch.nn.Module,
+          module: torch.nn.Module) -> OptimizerStep:
+    """The Trainer's own step (step.py) over this rank's batches, with nothing beside it that
+    would write: no reporter, no watchdog, no snapshots."""
+    params = list(model.parameters())
+    trained = [p for p in params if p.requires_grad]
+    optimizer = task.make_optimizer(trained) if task.make_optimizer else build_optimizer(trained, cfg.optim)
+    batches = training_batches(task.train_set, cfg.training, ctx, task.collate_fn, None)
+    return OptimizerStep(
+        task=task, ctx=ctx, strategy=strategy, model=model, module=module, params=params, optimizer=optimizer,
+        scheduler=None, scaler=torch.amp.GradScaler("cuda", enabled=False), average=None, batches=batches,
+        watchdog=ctx.watchdog, timings=RankTimings(params), flops=FlopCount(),
+        grad_norms=GradNorms(ctx.device, 64, counts=strategy.counts_gradients, carries=ctx.is_main),
+        guard=NonFiniteGuard(cfg.skip_nonfinite), replicas=None, clip_grad=cfg.clip_grad)
+
+
+class CollectiveCount(TorchDispatchMode):
+    """The collectives started on this thread while it is active, by kind, elements (of the
+    first tensor given: an all-gather's whole output, a reduce-scatter's shard, tests/helpers/
+    costs.py's reading of a profiler trace) and dtype. (torch's profiler sees them too, but
+    records every op of the step: at 4,096 ranks FSDP's copy-out ran 136,000 of them, and reading
+    them back took 24 s of a 29 s plan.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: collections.Counter[tuple[str, int, torch.dtype]] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kind = KINDS.get(func._schema.name)
+        if kind is not None:
+            first = args[0]
+            while isinstance(first, (list, tuple)):  # the list ops: the first tensor of the first list
+                first = first[0]
+            self.found[(kind, first.numel(), first.dtype)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def table(self) -> dict[str, dict[str, int | str]]:
+        """By kind, then the largest first."""
+        ordered = sorted(self.found.items(), key=lambda item: (item[0][0], -item[0][1], str(item[0][2])))
+        return {f"{kind}[{elements}]": {"kind": kind, "elements": elements, "dtype": str(dtype).removeprefix("torch."),
+                                        "count": count, "bytes": elements * dtype.itemsize}
+                for (kind, elements, dtype), count in ordered}
+
+
+class ActivationProbe:
+    """Bytes of the tensors the model's first forward in the block saves for its backward, as
+    they stand when that forward ends: each storage once; the parameters are not counted (they
+    are held anyway), nor FSDP's gathered parameters (freed when a block's forward ends)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module, self.bytes = module, 0
+        self.held = {_local(p).untyped_storage().data_ptr() for p in module.parameters()}
+        self.saved: dict[int, torch.UntypedStorage] = {}
+        self.counting = self.done = False
+
+    def __enter__(self) -> ActivationProbe:
+        self.handles = [self.module.register_forward_pre_hook(self._begin),
+                        self.module.register_forward_hook(self._end)]
+        self.saving = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self.saving.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.saving.__exit__(*exc)
+        for handle in self.handles:
+            handle.remove()
+
+    def _begin(self, *_: Any) -> None:
+        self.counting = not self.done
+
+    def _end(self, *_: Any) -> None:
+        if self.counting:
+            self.bytes = sum(storage.nbytes() for storage in self.saved.values())
+            self.saved.clear()
+            self.counting, self.done = False, True
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.counting:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in self.held:
+                self.saved[storage.data_ptr()] = storage
+        return tensor
+
+
+def _gathered_bytes(strategy: Strategy, module: torch.nn.Module, task: Task, precision: str) -> int:
+    """FSDP's whole parameters in flight at once: the root unit's (gathered from forward to
+    backward) and two blocks' (the one running and the next, prefetched), in the dtype the
+    all-gather sends (--precision's). Nothing for a replicated model."""
+    if strategy.snapshot_format != "dcp":
+        return 0
+    size = 2 if precision in ("bf16", "fp16") else 4
+    blocks = find_blocks(module, task)
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    whole = sorted((sum(p.numel() for p in block.parameters()) for block in blocks), reverse=True)
+    root = sum(p.numel() for p in module.parameters() if id(p) not in in_blocks)
+    return (root + sum(whole[:2])) * size
+
+
+def _snapshot_bytes(strategy: Strategy, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    ctx: DistContext) -> int:
+    """This rank's part of a snapshot, as serialised. A file snapshot is rank 0's alone (the whole
+    model and optimizer). A DCP folder holds each rank's entries, each saved on its own: its shards,
+    and of the entries several ranks hold (hsdp's shards, which every replica group holds; the
+    optimizer's settings and step counts, which every rank does) those DCP's dedup gives it
+    (``_dcp_share``). (Rank 0 also writes every rank's random generators' states: measure_rank.)"""
+    state = strategy.state(module, optimizer)
+    if strategy.snapshot_format == "file":
+        return _serialised({"model": state["model"], "optimizer": state["optimizer"]}) if ctx.is_main else 0
+    entries = [entry for part in ("model", "optimizer") for entry in _entries(state[part])]
+    return _dcp_share(entries, ctx, getattr(strategy, "group_size", ctx.world_size))
+
+
+def _dcp_share(entries: list[Any], ctx: DistContext, group_size: int) -> int:
+    """Bytes of ``entries`` (this rank's, in state-dict order) that this rank writes. DCP's
+    ``dedup_save_plans`` gives an entry several ranks hold to the one with the least planned so
+    far (by storage bytes), taking rank 0's entries first, then each next rank's new ones. Here
+    rank 0's entries are taken to be this rank's in size. A shard is held by the ranks of its
+    column (rank mod ``group_size``); anything else by every rank."""
+    world, mine = ctx.world_size, ctx.rank % group_size
+    planned = [0] * world
+
+    def place(entry: Any, holders: range) -> int:
+        chosen = min(holders, key=planned.__getitem__)
+        planned[chosen] += tensor_bytes(entry) if isinstance(entry, torch.Tensor) else 1
+        return chosen
+
+    total = 0
+    for entry in entries:  # rank 0's: its shards (column 0) and every replicated entry
+        holders = range(0, world, group_size) if hasattr(entry, "to_local") else range(world)
+        if place(entry, holders) == ctx.rank:
+            total += _serialised(_local(entry) if hasattr(entry, "to_local") else entry)
+    if mine:  # this rank's column's shards, first met in rank ``mine``'s plan
+        for entry in entries:
+            if hasattr(entry, "to_local") and place(entry, range(mine, world, group_size)) == ctx.rank:
+                total += _serialised(_local(entry))
+    return total
+
+
+def _entries(tree: Any) -> list[Any]:
+    """A state dict's entries as DCP saves them: dicts and lists holding containers or tensors
+    are opened, anything else is one entry (a list of parameter ids, a learning rate)."""
+    if isinstance(tree, dict):
+        return [entry for value in tree.values() for entry in _entries(value)]
+    if isinstance(tree, (list, tuple)) and any(isinstance(v, (dict, list, tuple, torch.Tensor)) for v in tree):
+        return [entry for value in tree for entry in _entries(value)]
+    return [tree]
+
+
+def _serialised(value: Any) -> int:
+    """Bytes of ``torch.save(value)``."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.tell()
+
+
+def _data_shares(task: Task, cfg: RunConfig, ctx: DistContext, strategy: Strategy,
+                 steps_per_epoch: int | None) -> dict[str, Any]:
+    """This rank's share of an epoch's training samples and of the evaluation set."""
+    shares: dict[str, Any] = {"steps_per_epoch": steps_per_epoch, "train_samples": None, "stand_ins": 0}
+    if not is_stream(task.train_set):
+        sampler = StepSampler(len(task.train_set), ctx.world_size, ctx.rank,  # type: ignore[arg-type]  # map-style
+                              cfg.batch_size, cfg.grad_accum, cfg.seed, shuffle=False)
+        full = sampler.dataset_len // sampler.global_batch  # full steps; then the short one's micro-batches
+        tail = list(sampler.micro_batches(torch.arange(sampler.dataset_len), start_step=full))
+        shares["train_samples"] = full * cfg.batch_size * cfg.grad_accum + sum(m.samples for m in tail)
+        shares["stand_ins"] = sum(1 for m in tail if m.samples == 0)
+    shares.update(eval_samples=None, eval_batches=0, eval_repeats=0)
+    if task.eval_set is not None:
+        size = len(task.eval_set)  # type: ignore[arg-type]  # map-style (check_task)
+        if cfg.eval_batches:
+            size = min(size, cfg.eval_batches * cfg.batch_size)
+        ranges = eval_batch_ranges(size, cfg.batch_size)
+        mine = eval_shard(len(ranges), ctx.rank, ctx.world_size)
+        shares.update(eval_samples=sum(len(ranges[b]) for b in mine), eval_batches=len(mine),
+                      eval_repeats=(math.ceil(len(ranges) / ctx.world_size) - len(mine)) if strategy.forward_syncs
+                      else 0)
+    return shares

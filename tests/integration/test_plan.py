@@ -1,0 +1,196 @@
+"""``ddptrain plan``: a few ranks of the target world, run through the fake process group, hold
+and send what real ranks do; it refuses what would fail at scale; it leaves nothing behind.
+
+Plans run in a spawned process (the ``planner`` fixture, as make_plan runs them): a fake world
+leaves torch's state behind in its process, which a real job forked from it afterwards trips on
+(plan/__init__.plan_ranks). The plan's figures are checked three ways against reality: (1) the
+same measurement on real gloo ranks (``measure_rank`` in a real 2- and 4-rank group): every
+figure equal; (2) the collectives per step of test_costs.py's table, which that file checks
+against real runs' profiler traces; (3) the snapshot files a real run writes, per rank, within 5%.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import math
+import multiprocessing
+
+import pytest
+import torch
+
+from ddptrain.api import prepare
+from ddptrain.comm import DistContext
+from ddptrain.plan import make_plan, steady_step
+from ddptrain.plan.estimate import Hardware
+from ddptrain.plan.rank import Target, measure_rank, plan_rank
+from helpers.commands import ddptrain_cli, fit
+from helpers.ranks import run_on_ranks
+
+DIGITS = {"task": "digits", "optimizer": "adamw"}
+REAL = {  # id: (options, ranks)
+    "ddp-accum2": ({**DIGITS, "grad_accum": 2}, 2),
+    "fsdp": ({**DIGITS, "strategy": "fsdp"}, 2),
+    "hsdp-2x2-accum2": ({**DIGITS, "strategy": "hsdp", "replicas": 2, "grad_accum": 2}, 4),
+}
+
+
+@pytest.fixture(scope="module")
+def planner():
+    """A spawned process to plan ranks in (a fresh interpreter: nothing of the fake world stays here)."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
+def _plan_rank(options: dict, world: int, rank: int, per_node: int | None = None, env: dict | None = None) -> dict:
+    """(In the planner's process.) Rank ``rank`` of a plan of ``options`` on ``world`` ranks, as a dict."""
+    import os
+
+    os.environ.update(env or {})
+    cfg, factory = prepare(None, options)
+    figures = plan_rank(cfg, factory, Target(world, per_node or world), rank, _steps(options))
+    return dataclasses.asdict(figures)
+
+
+def _steps(options: dict) -> int:
+    return steady_step(options.get("strategy", "ddp")) + 1
+
+
+def _measured_on_real_ranks(rank: int, world: int, options: dict) -> dict:
+    cfg, factory = prepare(None, options)
+    ctx = DistContext(rank, world, rank, world, torch.device("cpu"), "gloo")
+    return dataclasses.asdict(measure_rank(cfg, factory, ctx, _steps(options)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(REAL))
+def test_each_planned_rank_holds_and_sends_what_a_real_rank_does(planner, case):
+    """Parameters, gradients, optimizer state, activations, snapshot entries, data shares and
+    the collectives of a steady step: the fake group's rank r equals a real gloo group's rank r."""
+    options, world = REAL[case]
+    real = run_on_ranks(world, _measured_on_real_ranks, options)
+    for rank in range(world):
+        planned = planner.submit(_plan_rank, options, world, rank).result()
+        assert planned == real[rank], {k: (planned[k], real[rank][k]) for k in planned if planned[k] != real[rank][k]}
+        assert planned["optimizer_bytes"] > 0 and planned["collectives"]
+
+
+@pytest.mark.slow
+def test_a_plan_counts_the_collectives_that_real_runs_were_measured_to_start(planner):
+    """Every case of test_costs.py (DDP, FSDP, HSDP on 2 and 4 ranks; accumulation, streams,
+    --skip-nonfinite), whose table that file checks against real runs' traces."""
+    from integration.test_costs import CASES
+
+    for case, (options, per_step) in CASES.items():
+        options = {"task": "regression", "batch_size": 8, **options}
+        world = options.pop("nproc", 2)
+        found = planner.submit(_plan_rank, options, world, 0, env={"STREAM_SAMPLES": "4000"}).result()["collectives"]
+        assert {key: c["count"] for key, c in found.items()} == per_step, case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,world", [("ddp", 2), ("fsdp", 2), ("hsdp", 4)])
+def test_a_planned_snapshot_is_within_5_percent_of_a_real_one_per_rank(tmp_path, strategy, world):
+    options = {**DIGITS, "strategy": strategy, **({"replicas": 2} if strategy == "hsdp" else {})}
+    fit(options.pop("task"), tmp_path, nproc=world, max_steps=3, **options)
+    (written,) = (tmp_path / "snapshots").iterdir()
+    if written.is_file():  # ddp: rank 0's file
+        real = [written.stat().st_size] + [0] * (world - 1)
+    else:  # a DCP folder: each rank's shards, and rank 0's meta.pt (every rank's generators)
+        real = [(written / f"__{r}_0.distcp").stat().st_size for r in range(world)]
+        real[0] += (written / "meta.pt").stat().st_size
+    cfg, factory = prepare(None, {**DIGITS, **options})
+    plan = make_plan(cfg, factory, Target(world, world), list(range(world)), Hardware())
+    for rank, planned in zip(real, (r["snapshot_bytes"] for r in plan["ranks"])):
+        assert math.isclose(planned, rank, rel_tol=0.05, abs_tol=0), (planned, rank, real)
+
+
+@pytest.mark.slow
+def test_fsdp_at_1024_ranks_holds_a_1024th_of_each_sharded_parameter(planner):
+    options = {"task": "plan_tasks:wide_mlp", "strategy": "fsdp"}
+    held = planner.submit(_plan_rank, options, 1024, 3, 8).result()["parameters"]
+    from plan_tasks import wide_mlp
+
+    cfg, _ = prepare(None, options)
+    expected = 0
+    for p in wide_mlp(cfg).model.parameters():  # torch.chunk's cut of dim 0: ceil(rows / W) to each rank in turn
+        chunk = math.ceil(p.shape[0] / 1024)
+        rows = max(0, min(chunk, p.shape[0] - 3 * chunk))
+        expected += rows * math.prod(p.shape[1:])
+    assert held == expected
+    assert held < sum(p.numel() for p in wide_mlp(cfg).model.parameters()) / 1000
+
+
+def _plan(*args: str, **kwargs) -> tuple[int, str, str]:
+    result = ddptrain_cli("plan", *args, **kwargs)
+    return result.returncode, result.stdout, result.stderr
+
+
+@pytest.mark.slow
+def test_the_command_refuses_what_would_fail_at_scale_one_line_each():
+    before = {  # refused before any rank is planned: flags -> what the line says
+        ("--world-size", "1024", "--global-batch", "1000"): "does not divide over 1,024 ranks",
+        (): "needs the target's size",
+        ("--world-size", "12", "--nproc-per-node", "8"): "not a whole number of nodes",
+        ("--world-size", "2", "--steps", "2"): "runs at least 3 steps",
+        ("--world-size", "4", "--strategy", "hsdp", "--replicas", "3"): "--replicas 3 does not divide",
+    }
+    for flags, words in before.items():
+        code, _, err = _plan("--task", "regression", *flags)
+        lines = [line for line in err.splitlines() if line.startswith("ddptrain")]
+        assert code == 2 and len(lines) == 1 and words in lines[0] and "Traceback" not in err, (flags, err)
+    # refused from the plan's figures: each its own line, the plan printed too
+    code, out, err = _plan("--task", "regression", "--world-size", "4096", "--memory-per-rank", "1e-9",
+                           "--save-every", "1", "--write-gbs", "1e-12")
+    lines = err.splitlines()
+    assert code == 2 and "Traceback" not in err and out.startswith("plan: ddp on 4,096 ranks"), err
+    assert len(lines) == 3 and all(line.startswith("ddptrain: error: ") for line in lines), err
+    for words, line in zip(("rank 4095 has no training sample", "above --memory-per-rank", "raise --save-every"),
+                           lines):
+        assert words in line, lines
+
+
+@pytest.mark.slow
+def test_the_plan_leaves_the_run_dir_and_the_folder_as_they_were(tmp_path):
+    """A run dir with snapshots: untouched (no file added, changed or moved aside); the folder the
+    command ran in: empty after; the report alone on stdout; no process group joined (the fake
+    one only: no store, so no MASTER_ADDR needed)."""
+    run_dir = tmp_path / "run"
+    fit("regression", run_dir, max_steps=2)
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    here = tmp_path / "cwd"
+    here.mkdir()
+    code, out, err = _plan("--task", "regression", "--world-size", "64", "--run-dir", str(run_dir), "--json",
+                           cwd=here)
+    assert code == 0, err
+    plan = json.loads(out)
+    assert [r["rank"] for r in plan["ranks"]] == [0, 63] and plan["refusals"] == []
+    assert plan["collectives_per_step"] == [{"kind": "all_reduce", "elements": 21, "dtype": "float32", "count": 1,
+                                             "bytes": 84, "group": 64, "in_node": False}]
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    assert list(here.iterdir()) == [] and "USDT" not in err
+
+
+@pytest.mark.slow
+def test_the_table_names_idle_evaluation_ranks_and_which_collectives_cross_nodes(capsys):
+    """hsdp on 2 nodes of 8: gathers and reduce-scatters inside a node, the all-reduce across."""
+    from ddptrain.cli import main
+
+    assert main(["plan", "--task", "digits", "--world-size", "16", "--strategy", "hsdp", "--ranks", "-1"]) == 0
+    out = capsys.readouterr().out
+    assert "plan: hsdp on 16 ranks (2 node(s) x 8)" in out
+    assert "rank(s) 15 hold no evaluation batch" in out and "running repeats" in out
+    kinds = {line.split(" of ")[0].split(" x ")[1]: line.split(" over ")[1] for line in out.splitlines()
+             if line.startswith("  ") and " over " in line}
+    assert kinds == {"all_gather": "8 ranks, inside a node", "reduce_scatter": "8 ranks, inside a node",
+                     "all_reduce": "2 ranks, between nodes"}, out
+    assert "goodput:" in out and "control plane:" in out
+
+
+@pytest.mark.slow
+def test_the_snapshot_grows_with_every_rank_s_generators_on_rank_0(planner):
+    options = {**DIGITS, "strategy": "fsdp"}
+    small, large = (planner.submit(_plan_rank, options, world, 0, 8).result() for world in (8, 1024))
+    assert large["generator_bytes"] == small["generator_bytes"] > 0
+    assert large["snapshot_bytes"] - small["snapshot_bytes"] >= small["generator_bytes"] * 1000

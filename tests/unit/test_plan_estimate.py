@@ -1,0 +1,100 @@
+"""ddptrain plan's estimates (plan/estimate.py) and its pure parts: in-process, milliseconds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ddptrain.config import RunConfig
+from ddptrain.errors import ConfigError
+from ddptrain.observe.goodput import restart_goodput
+from ddptrain.plan import chosen_ranks, peak_bytes, refusals, with_global_batch
+from ddptrain.plan.estimate import (
+    Hardware,
+    control_plane,
+    goodput,
+    snapshot_interval_s,
+    snapshot_seconds,
+    step_seconds,
+    wire_bytes,
+)
+from ddptrain.plan.rank import RankFigures, Target
+from ddptrain.resilience.watchdog import beat_period, verdict_period
+from ddptrain.sections import SnapshotSettings
+
+
+def test_ring_collectives_send_what_the_ring_algorithms_do():
+    assert wire_bytes("all_reduce", 1000, 4, 4) == 2 * 4000 * 3 / 4
+    assert wire_bytes("all_gather", 1000, 4, 4) == 4000 * 3 / 4  # 1000: the whole output
+    assert wire_bytes("reduce_scatter", 250, 4, 4) == 1000 * 3  # 250: this rank's shard of the same 1000
+    assert wire_bytes("all_reduce", 1000, 4, 1) == 0  # a group of one sends nothing
+
+
+def test_a_step_is_between_full_overlap_and_none():
+    one_gb = {"kind": "all_gather", "elements": 10**9 // 4, "bytes": 10**9, "count": 2, "group": 2}
+    hw = Hardware(tflops=100, link_gbps=80, node_gbps=800)
+    t = step_seconds(10**14, [{**one_gb, "in_node": False}], hw)
+    assert t["compute_s"] == pytest.approx(1.0) and t["communication_s"] == pytest.approx(2 * 0.5 * 8 / 80)
+    assert t["step_s_overlapped"] == pytest.approx(1.0) and t["step_s_serial"] == pytest.approx(1.1)
+    inside = step_seconds(0, [{**one_gb, "in_node": True}], hw)
+    assert inside["communication_s"] == pytest.approx(t["communication_s"] / 10)
+
+
+def test_a_snapshot_blocks_its_copy_and_writes_behind():
+    s = snapshot_seconds(2 * 10**9, 64 * 10**9, Hardware(copy_gbs=20, write_gbs=8))
+    assert s == {"blocking_s": pytest.approx(0.1), "write_s": pytest.approx(8.0)}
+
+
+def test_snapshot_intervals_follow_the_checkpointer():
+    snapshot = {"blocking_s": 0.5, "write_s": 3.0}
+    steps = SnapshotSettings(save_every=100, save_seconds=0)
+    assert snapshot_interval_s(steps, 0.2, snapshot, 3600) == pytest.approx(20.0)
+    stretched = SnapshotSettings(save_every=0, save_seconds=10)  # at most 2% of training: 50 x 0.5 s
+    assert snapshot_interval_s(stretched, 0.2, snapshot, 3600) == pytest.approx(25.0)
+    young = SnapshotSettings(save_every=0, save_seconds=60, mttf_hours=2)
+    assert snapshot_interval_s(young, 0.2, snapshot, 7200) == pytest.approx(math.sqrt(2 * 0.5 * 7200))
+    assert snapshot_interval_s(SnapshotSettings(save_every=0, save_seconds=0), 0.2, snapshot, 3600) == math.inf
+    assert goodput(3600, math.inf, snapshot, 60) is None
+    assert goodput(3600, 20, snapshot, 60) == restart_goodput(3600, 20, 0.5, 60)
+
+
+def test_the_control_plane_is_the_watchdog_s_periods():
+    small, large = control_plane(64, 300), control_plane(16384, 5)
+    assert small["heartbeats_per_s"] == 64 / beat_period(300, 64) and small["polls_per_s"] == 64 / 0.5
+    assert large["polls_per_s"] == 16384 / verdict_period(16384) == 16384 / 2.0
+    assert large["beat_period_s"] == beat_period(5, 16384) and large["failure_to_exit_s"] == 2.5
+
+
+def test_the_ranks_and_the_global_batch_given():
+    assert chosen_ranks("0,-1", 1024) == [0, 1023] and chosen_ranks("5,5,2", 8) == [2, 5]
+    for text in ("0,x", "8", "-9"):
+        with pytest.raises(ConfigError, match="--ranks"):
+            chosen_ranks(text, 8)
+    cfg = RunConfig(grad_accum=2)
+    assert with_global_batch(cfg, Target(1024, 8), 8192).batch_size == 4
+    with pytest.raises(ConfigError, match="choose a multiple of 2,048"):
+        with_global_batch(cfg, Target(1024, 8), 3000)
+    assert with_global_batch(cfg, Target(1024, 8), None) is cfg
+
+
+def _figures(**changes) -> RankFigures:
+    base = dict(rank=0, parameters=10, parameter_bytes=1000, gradient_bytes=1000, optimizer_bytes=2000,
+                buffer_bytes=0, activation_bytes=5000, gathered_bytes=1000, snapshot_bytes=3000, generator_bytes=10,
+                flops_per_step=10, collectives={}, steps_per_epoch=4, train_samples=100, stand_ins=0,
+                eval_samples=None, eval_batches=0, eval_repeats=0)
+    return RankFigures(**{**base, **changes})
+
+
+def test_the_peak_is_what_a_rank_holds_with_the_allocator_s_headroom():
+    assert peak_bytes(_figures()) == int(10000 * 1.10)
+
+
+def test_refusals_name_each_problem_in_a_line():
+    plan = {"target": {"world_size": 64}, "ranks": [{"rank": 0, "train_samples": 3, "peak_bytes": 2 * 10**9},
+                                                      {"rank": 63, "train_samples": 0, "peak_bytes": 10**9}],
+            "time": {"snapshot_interval_s": 1.0, "write_s": 4.5}}
+    found = refusals(plan, RunConfig(save_every=10), Hardware(memory_per_rank_gb=1.5))
+    assert [line.split(" ")[0:2] for line in found] == [["rank", "63"], ["a", "rank"], ["--save-every", "10"]]
+    assert "raise --save-every to at least 46" in found[2]
+    assert refusals(plan | {"ranks": plan["ranks"][:1]}, RunConfig(), Hardware()) == []
