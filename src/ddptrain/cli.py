@@ -67,7 +67,7 @@ def _add_flag(group: argparse._ArgumentGroup, field: dataclasses.Field[Any]) -> 
 
 def _add_plan_parser(commands: Any) -> None:
     """``ddptrain plan``: train's flags, the target's shape and the machine's figures."""
-    from .plan.estimate import Hardware
+    from .plan.hardware import Hardware
 
     plan = commands.add_parser("plan", help="a dry run of the job as a few ranks of its real world size (fake "
                                "process group, this machine's CPU): memory, collectives, snapshot, time, goodput; "
@@ -294,8 +294,8 @@ def export_command(args: argparse.Namespace) -> int:
 
 def plan_command(args: argparse.Namespace) -> int:
     from .api import prepare
-    from .plan import chosen_ranks, make_plan, refusals, steady_step, with_global_batch
-    from .plan.estimate import Hardware
+    from .plan.hardware import Hardware
+    from .plan.job import chosen_ranks, make_plan, refusals, steady_step, with_global_batch
 
     target = plan_target(args.world_size, args.nnodes, args.nproc_per_node)
     cfg, factory = prepare(None, given_options(args), args.config)  # the same checks as train's

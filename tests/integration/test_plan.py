@@ -3,7 +3,7 @@ and send what real ranks do; it refuses what would fail at scale; it leaves noth
 
 Plans run in a spawned process (the ``planner`` fixture, as make_plan runs them): a fake world
 leaves torch's state behind in its process, which a real job forked from it afterwards trips on
-(plan/__init__.plan_ranks). The plan's figures are checked three ways against reality: (1) the
+(plan/job.plan_ranks). The plan's figures are checked three ways against reality: (1) the
 same measurement on real gloo ranks (``measure_rank`` in a real 2- and 4-rank group): every
 figure equal; (2) the collectives per step of test_costs.py's table, which that file checks
 against real runs' profiler traces; (3) the snapshot files a real run writes, per rank, within 5%.
@@ -22,8 +22,8 @@ import torch
 
 from ddptrain.api import prepare
 from ddptrain.comm import DistContext
-from ddptrain.plan import make_plan, steady_step
-from ddptrain.plan.estimate import Hardware
+from ddptrain.plan.hardware import Hardware
+from ddptrain.plan.job import make_plan, steady_step
 from ddptrain.plan.rank import Target, measure_rank, plan_rank
 from helpers.commands import ddptrain_cli, fit
 from helpers.ranks import run_on_ranks

@@ -9,7 +9,6 @@ import pytest
 from ddptrain.config import RunConfig
 from ddptrain.errors import ConfigError
 from ddptrain.observe.goodput import restart_goodput
-from ddptrain.plan import chosen_ranks, peak_bytes, refusals, with_global_batch
 from ddptrain.plan.estimate import (
     Hardware,
     control_plane,
@@ -19,6 +18,7 @@ from ddptrain.plan.estimate import (
     step_seconds,
     wire_bytes,
 )
+from ddptrain.plan.job import chosen_ranks, peak_bytes, refusals, with_global_batch
 from ddptrain.plan.rank import RankFigures, Target
 from ddptrain.resilience.watchdog import beat_period, verdict_period
 from ddptrain.sections import SnapshotSettings

@@ -1,0 +1,192 @@
+"""The plan of a job: the real job, as a few chosen ranks of the world it will run on, before it runs.
+
+Each chosen rank runs the real task factory, strategy, data split, step and optimizer for a few
+steps through torch's fake process group (rank.py), on this machine's CPU: what it holds and
+sends is measured. The estimates at the target scale (estimate.py) start from those figures.
+What would fail at scale is refused, one line each, exit 2 (``refusals``). Nothing is written:
+no process group is joined, no run dir made, no snapshot read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..config import RunConfig
+from ..errors import ConfigError
+from .estimate import HEADROOM, control_plane, goodput, snapshot_interval_s, snapshot_seconds, step_seconds
+from .hardware import Hardware
+from .rank import RankFigures, Target, plan_rank
+
+
+def with_global_batch(cfg: RunConfig, target: Target, global_batch: int | None) -> RunConfig:
+    """``--global-batch``: the batch per rank that keeps it at the target's ranks and accumulation."""
+    if global_batch is None:
+        return cfg
+    per_rank, rest = divmod(global_batch, target.world_size * cfg.grad_accum)
+    if rest or not per_rank:
+        unit = target.world_size * cfg.grad_accum
+        raise ConfigError(f"--global-batch {global_batch:,} does not divide over {target.world_size:,} ranks x "
+                          f"--grad-accum {cfg.grad_accum}; choose a multiple of {unit:,} (e.g. "
+                          f"{max(1, global_batch // unit) * unit:,}), or another --grad-accum")
+    return cfg.replace(batch_size=per_rank)
+
+
+def chosen_ranks(text: str, world_size: int) -> list[int]:
+    """``--ranks 0,-1``: rank numbers, negative ones from the end."""
+    ranks = []
+    for part in text.split(","):
+        try:
+            number = int(part)
+        except ValueError:
+            raise ConfigError(f"--ranks {text}: not a list of rank numbers (e.g. 0,-1: the first and the last)") \
+                from None
+        rank = number + world_size if number < 0 else number
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"--ranks {text}: rank {number} is outside the {world_size:,} ranks")
+        ranks.append(rank)
+    return sorted(set(ranks))
+
+
+def steady_step(strategy: str) -> int:
+    """The first step (from 0) whose collectives are those of every later one: DDP rebuilds its
+    buckets in its second step (rank 0 broadcasts their order); FSDP's steps are alike from the first."""
+    return 2 if strategy == "ddp" else 1
+
+
+def make_plan(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], hw: Hardware,
+              steps: int | None = None) -> dict[str, Any]:
+    """The plan: each chosen rank's figures, and the estimates at the target scale."""
+    if cfg.fault_tolerance == "torchft":
+        raise ConfigError("ddptrain plan: with --fault-tolerance torchft each replica group is a job of its own; "
+                          "plan one group (its --world-size) without --fault-tolerance")
+    steps = steps or steady_step(cfg.strategy) + 1
+    figures = plan_ranks(cfg, factory, target, ranks, steps)
+    groups = _collective_groups(cfg, target)
+    heaviest = max(figures, key=peak_bytes)
+    collectives = [{**c, **groups(c)} for c in heaviest.collectives.values()]
+    timing = step_seconds(heaviest.flops_per_step, collectives, hw)
+    total_snapshot = _snapshot_total(cfg, target, figures)
+    snapshot = snapshot_seconds(max(f.snapshot_bytes for f in figures), total_snapshot, hw)
+    job_mttf_s = cfg.mttf_hours * 3600 if cfg.mttf_hours else hw.rank_mttf_hours * 3600 / target.world_size
+    interval = snapshot_interval_s(cfg.snapshots, timing["step_s_serial"], snapshot, job_mttf_s)
+    plane = control_plane(target.world_size, cfg.timeout)
+    # a restart: the failure's detection, the start, the restore (reading what was written)
+    restart_s = plane["failure_to_exit_s"] + hw.start_seconds + snapshot["write_s"]
+    return {
+        "target": {"world_size": target.world_size, "nnodes": target.nnodes, "nproc_per_node": target.nproc_per_node,
+                   "strategy": cfg.strategy, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
+                   "global_batch": cfg.global_batch(target.world_size), "steps_planned": steps},
+        "hardware": dataclasses.asdict(hw),
+        "ranks": [{**dataclasses.asdict(f), "peak_bytes": peak_bytes(f)} for f in figures],
+        "collectives_per_step": collectives,
+        "time": {**timing, **snapshot, "snapshot_interval_s": interval, "snapshot_total_bytes": total_snapshot,
+                 "job_mttf_s": job_mttf_s, "restart_s": restart_s,
+                 "goodput": goodput(job_mttf_s, interval, snapshot, restart_s)},
+        "control_plane": plane,
+        "notes": notes(cfg, target, figures),
+    }
+
+
+def plan_ranks(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], steps: int) -> list[RankFigures]:
+    """Each chosen rank planned in a fresh process of its own (spawned), as many at once as there
+    are cores. Fresh, because a rank leaves torch's process-wide state behind: DTensor's caches
+    hold the fake world's meshes, which compare equal to a real job's of the same shape, and a
+    real FSDP job forked afterwards from the same process wrote a snapshot that DCP refused (its
+    ranks' shards overlapped). At once, because each is a whole model's steps: GPT-2's two ranks
+    took 74 s one after the other here, on 2 cores, and 58 s side by side."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    workers = max(1, min(len(ranks), os.cpu_count() or 1))
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=_set_threads, initargs=(threads,)) as pool:
+        return list(pool.map(plan_rank, *zip(*[(cfg, factory, target, rank, steps) for rank in ranks])))
+
+
+def _set_threads(count: int) -> None:
+    import torch
+
+    torch.set_num_threads(count)
+
+
+def peak_bytes(f: RankFigures) -> int:
+    """The most this rank holds at once: its parameters, gradients, optimizer state and buffers,
+    one micro-batch's saved activations and FSDP's gathered parameters, times the allocator's
+    headroom (HEADROOM)."""
+    held = f.parameter_bytes + f.gradient_bytes + f.optimizer_bytes + f.buffer_bytes
+    return int((held + f.activation_bytes + f.gathered_bytes) * HEADROOM)
+
+
+def _collective_groups(cfg: RunConfig, target: Target) -> Any:
+    """Each collective's group size and whether it stays inside a node: hsdp gathers and
+    reduce-scatters inside a replica group and all-reduces across them; --sync's DDP all-reduces
+    inside a group; everything else spans the world."""
+    world, per_node = target.world_size, target.nproc_per_node
+    replicas = cfg.replicas or target.nnodes
+    inner = world // replicas  # consecutive ranks
+
+    def group(collective: dict[str, Any]) -> dict[str, Any]:
+        size, consecutive = world, True
+        if cfg.strategy == "hsdp":
+            if collective["kind"] in ("all_gather", "reduce_scatter"):
+                size = inner
+            elif collective["elements"] > 1:  # the gradients' shards, across the groups
+                size, consecutive = replicas, replicas == 1
+        elif cfg.sync != "every-step" and collective["kind"] == "all_reduce" and collective["elements"] > 1:
+            size = inner
+        return {"group": size, "in_node": target.nnodes == 1 or (consecutive and size <= per_node)}
+
+    return group
+
+
+def _snapshot_total(cfg: RunConfig, target: Target, figures: list[RankFigures]) -> int:
+    """A whole snapshot's bytes: rank 0's file, or every rank's entries (the planned ranks' mean,
+    times the ranks); and every rank's random generators' states, which rank 0 writes."""
+    generators = max(f.generator_bytes for f in figures) * target.world_size
+    own = [f.snapshot_bytes - (generators if f.rank == 0 else 0) for f in figures]
+    if cfg.strategy == "ddp":
+        return max(own) + generators
+    return int(sum(own) / len(own) * target.world_size) + generators
+
+
+def notes(cfg: RunConfig, target: Target, figures: list[RankFigures]) -> list[str]:
+    """What is worth knowing and not wrong: uneven shares, idle evaluation ranks."""
+    found = []
+    shares = {f.train_samples for f in figures if f.train_samples is not None}
+    if len(shares) > 1:
+        found.append(f"training shares differ by up to {max(shares) - min(shares):,} samples an epoch (the epoch's "
+                     "last step is short; each step is still the mean of what is in it)")
+    idle = [f.rank for f in figures if f.eval_samples == 0]
+    if idle:
+        found.append(f"rank(s) {', '.join(map(str, idle))} hold no evaluation batch: the evaluation set has fewer "
+                     f"batches of {cfg.batch_size} than the {target.world_size:,} ranks (exact, but idle"
+                     + (", running repeats to keep FSDP's all-gathers matched)" if cfg.strategy != "ddp" else ")"))
+    if cfg.comm_hook == "powersgd":
+        found.append("--comm-hook powersgd: counted as its warm-up's plain all-reduces (its first 10 steps)")
+    if cfg.sync != "every-step":
+        found.append(f"--sync {cfg.sync}: the meetings every --sync-every steps are not in the steps counted")
+    return found
+
+
+def refusals(plan: dict[str, Any], cfg: RunConfig, hw: Hardware) -> list[str]:
+    """What would fail or waste the job at its scale, one line each (empty: none)."""
+    found, world = [], plan["target"]["world_size"]
+    for rank in plan["ranks"]:
+        if rank["train_samples"] == 0:
+            found.append(f"rank {rank['rank']} has no training sample in an epoch: the training set is smaller than "
+                         f"the {world:,} ranks; use fewer ranks or more data")
+            break
+    peak = max(rank["peak_bytes"] for rank in plan["ranks"])
+    if hw.memory_per_rank_gb is not None and peak > hw.memory_per_rank_gb * 1e9:
+        found.append(f"a rank needs {peak / 1e9:.3g} GB at its peak, above --memory-per-rank {hw.memory_per_rank_gb:g}"
+                     "; shard it (--strategy fsdp), lower --batch-size with more --grad-accum, or add "
+                     "--activation-checkpointing")
+    t = plan["time"]
+    if cfg.save_every and t["snapshot_interval_s"] < t["write_s"]:
+        found.append(f"--save-every {cfg.save_every} starts a snapshot every {t['snapshot_interval_s']:.3g} s, "
+                     f"but one takes {t['write_s']:.3g} s to write at --write-gbs {hw.write_gbs:g}; raise "
+                     f"--save-every to at least {int(cfg.save_every * t['write_s'] / t['snapshot_interval_s']) + 1}")
+    return found
