@@ -90,11 +90,12 @@ def make_plan(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], hw
 
 def plan_ranks(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], steps: int) -> list[RankFigures]:
     """Each chosen rank planned in a fresh process of its own (spawned), as many at once as there
-    are cores. Fresh, because a rank leaves torch's process-wide state behind: DTensor's caches
-    hold the fake world's meshes, which compare equal to a real job's of the same shape, and a
-    real FSDP job forked afterwards from the same process wrote a snapshot that DCP refused (its
-    ranks' shards overlapped). At once, because each is a whole model's steps: GPT-2's two ranks
-    took 74 s one after the other here, on 2 cores, and 58 s side by side."""
+    are cores. Fresh, because a planned rank leaves torch's process-wide state behind: a real FSDP
+    job forked afterwards from a process that had planned one wrote a snapshot that DCP refused,
+    its ranks' shards overlapping (which of torch's caches keeps the fake world is not pinned
+    down; a DeviceMesh compares equal to another of the same shape whatever the rank). At once,
+    because each is a whole model's steps: GPT-2's two ranks took 74 s one after the other here,
+    on 2 cores, and 58 s side by side."""
     import concurrent.futures
     import multiprocessing
     import os
