@@ -1,6 +1,6 @@
 """One process as rank r of W: torch's fake process group (``torch.testing._internal.distributed.fake_pg``).
 
-Its collectives return at once and move no data (the tensors keep this rank's values), so
+Its collectives return at once and reach no other process, so
 the real strategy, data split, step and optimizer run as they would at the target scale, on
 one machine, without a rendezvous or a peer. The one part of torch that needs more: DDP's
 reducer requires its all-reduce's future to hold the bucket, and the fake group's holds
@@ -26,7 +26,7 @@ HOOK_DTYPES: dict[str, torch.dtype | None] = {"none": None, "fp16": torch.float1
 
 @contextlib.contextmanager
 def as_rank(rank: int, world_size: int) -> Iterator[None]:
-    """This process is rank ``rank`` of ``world_size`` until the block ends; no data moves."""
+    """This process is rank ``rank`` of ``world_size`` until the block ends; nothing is sent."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     if dist.is_initialized():
