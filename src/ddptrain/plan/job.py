@@ -177,8 +177,9 @@ def refusals(plan: dict[str, Any], cfg: RunConfig, hw: Hardware) -> list[str]:
     found, world = [], plan["target"]["world_size"]
     for rank in plan["ranks"]:
         if rank["train_samples"] == 0:
-            found.append(f"rank {rank['rank']} has no training sample in an epoch: the training set is smaller than "
-                         f"the {world:,} ranks; use fewer ranks or more data")
+            found.append(f"rank {rank['rank']} has no training sample in an epoch: the set is too small for "
+                         f"{world:,} ranks x --grad-accum {cfg.grad_accum}; use fewer ranks, less --grad-accum, or "
+                         "more data")
             break
     peak = max(rank["peak_bytes"] for rank in plan["ranks"])
     if hw.memory_per_rank_gb is not None and peak > hw.memory_per_rank_gb * 1e9:
