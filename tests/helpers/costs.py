@@ -7,9 +7,8 @@ import collections
 import json
 from pathlib import Path
 
-KINDS = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
-         "c10d::_reduce_scatter_base_": "reduce_scatter", "c10d::allgather_": "all_gather",
-         "c10d::reduce_scatter_": "reduce_scatter", "c10d::barrier": "barrier"}
+# the c10d ops that are collectives, by kind: one table for ddptrain plan and these tests
+from ddptrain.plan.rank import KINDS
 
 
 def _numel(dims) -> int:

@@ -12,8 +12,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
+from ..comm import DistContext
 from ..config import RunConfig
 from ..errors import ConfigError
+from ..parallel.base import replica_groups
 from .estimate import HEADROOM, control_plane, goodput, snapshot_interval_s, snapshot_seconds, step_seconds
 from .hardware import Hardware
 from .rank import RankFigures, Target, plan_rank
@@ -126,8 +130,8 @@ def _collective_groups(cfg: RunConfig, target: Target) -> Any:
     reduce-scatters inside a replica group and all-reduces across them; --sync's DDP all-reduces
     inside a group; everything else spans the world."""
     world, per_node = target.world_size, target.nproc_per_node
-    replicas = cfg.replicas or target.nnodes
-    inner = world // replicas  # consecutive ranks
+    # the strategies' own rule (one group per node unless --replicas says), as a rank of the target sees it
+    replicas, inner = replica_groups(cfg.parallel, DistContext(0, world, 0, per_node, torch.device("cpu"), "fake"))
 
     def group(collective: dict[str, Any]) -> dict[str, Any]:
         size, consecutive = world, True
