@@ -82,7 +82,7 @@ def _add_plan_parser(commands: Any) -> None:
                        "the first and the last)")
     shape.add_argument("--steps", type=int, default=None, help="optimizer steps each planned rank runs; the last "
                        "one's collectives are counted (default and fewest: 3 under ddp, whose second step rebuilds its "
-                       "buckets; 2 otherwise)")
+                       "buckets; 1 otherwise, 2 for a stream, whose first step also agrees on a stand-in batch)")
     shape.add_argument("--global-batch", type=int, default=None, help="keep this global batch: --batch-size becomes "
                        "it over the ranks and --grad-accum (refused when it does not divide)")
     shape.add_argument("--json", action="store_true", help="the plan as JSON (for a CI gate before submitting)")

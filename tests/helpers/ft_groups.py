@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ddptrain import free_port
-from helpers.commands import BIN, ForkedCommand, clean_env, finish, kill_tree, start_cli
+from ddptrain.resilience.lighthouse import read_dashboard
+from helpers.commands import BIN, ForkedCommand, ask_for_stacks, clean_env, descendants, finish, kill_tree, start_cli
 
 ARGS = ["--fault-tolerance", "torchft", "--replica-groups", "2", "--batch-size", "16"]
 
@@ -85,3 +86,17 @@ def group_1_killed_and_restarted(lighthouse: str, tmp_path: Path, options: tuple
     finally:
         kill_tree(again)
         kill_tree(first)
+
+
+def stalled(lighthouse: str, group: ForkedCommand, tmp_path: Path) -> str:
+    """What a test that waited in vain for group ``group`` shows: every group's console, the
+    lighthouse's view, the processes of every group still alive and each one's stacks."""
+    logs = "\n".join(f"--- {log.name}\n{log.read_text()}" for log in sorted(tmp_path.glob("group-*.log")))
+    try:
+        view = read_dashboard(lighthouse, "/status", timeout_s=5)
+    except (OSError, ValueError) as error:
+        view = f"(no answer: {error})"
+    alive = [int(pid.read_text()) for pid in tmp_path.glob("group-*/pids/rank-*.pid")
+             if Path("/proc", pid.read_text().strip()).exists()]
+    return (f"{logs}\n--- the lighthouse's /status\n{view}\n--- ranks alive (pid files): {alive}"
+            f"{ask_for_stacks(sorted({group.pid, *descendants(group.pid), *alive}))}")

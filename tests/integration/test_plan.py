@@ -72,8 +72,49 @@ def test_each_planned_rank_holds_and_sends_what_a_real_rank_does(planner, case):
     real = run_on_ranks(world, _measured_on_real_ranks, options)
     for rank in range(world):
         planned = planner.submit(_plan_rank, options, world, rank).result()
+        peaks = planned.pop("allocated_peak_bytes"), real[rank].pop("allocated_peak_bytes")
         assert planned == real[rank], {k: (planned[k], real[rank][k]) for k in planned if planned[k] != real[rank][k]}
         assert planned["optimizer_bytes"] > 0 and planned["collectives"]
+        # The peak: DDP's the same; FSDP's up to 15% above the plan on gloo, whose collectives
+        # allocate what the fake group's do not (12 MB on a 100 MB peak, plan_tasks:wide_mlp)
+        if options.get("strategy", "ddp") == "ddp":
+            assert peaks[0] == peaks[1], peaks
+        else:
+            assert peaks[0] <= peaks[1] <= 1.15 * peaks[0], peaks
+
+
+def _allocator_peak(options: dict, world: int, rank: int) -> tuple[int, int]:
+    """(In the planner's process.) The plan's peak of rank ``rank``, and the most bytes torch's
+    CPU allocator reported held at once over the same rank's build and steps (the profiler's
+    memory events: every allocation and free, the fake group's one thread)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ddptrain.plan.fake_group import as_rank
+    from ddptrain.plan.rank import _Run
+
+    cfg, factory = prepare(None, options)
+    with as_rank(rank, world), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as trace:
+        run = _Run(cfg, factory, DistContext(rank, world, rank, world, torch.device("cpu"), "fake"), _steps(options))
+    held = most = 0
+    for event in sorted((e for e in trace.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns()):
+        held += event.nbytes()
+        most = max(most, held)
+    return run.peak_bytes(), most
+
+
+@pytest.mark.slow
+def test_a_planned_peak_is_what_the_allocator_reports_and_more_than_the_parts_held(planner):
+    """Over 3 DDP steps of a 6.2M-parameter MLP with AdamW, the plan's peak (its own count of
+    the tensors alive) is within 1% of what torch's allocator reported at its most (148.6 MB
+    against 148.7 MB measured): the sum of the parameters, gradients, optimizer state and
+    activations (100 MB) falls short by AdamW's temporaries."""
+    options = {"task": "plan_tasks:wide_mlp", "optimizer": "adamw"}
+    planned, allocated = planner.submit(_allocator_peak, options, 2, 1).result()
+    assert math.isclose(planned, allocated, rel_tol=0.01), (planned, allocated)
+    parts = planner.submit(_plan_rank, options, 2, 1).result()
+    held = sum(parts[k] for k in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes"))
+    assert planned > 1.3 * held and parts["allocated_peak_bytes"] == planned, (planned, held)
 
 
 @pytest.mark.slow

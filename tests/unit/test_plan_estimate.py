@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from ddptrain.config import RunConfig
 from ddptrain.errors import ConfigError
@@ -19,6 +20,7 @@ from ddptrain.plan.estimate import (
     wire_bytes,
 )
 from ddptrain.plan.job import chosen_ranks, peak_bytes, refusals, with_global_batch
+from ddptrain.plan.memory import LiveTensors
 from ddptrain.plan.rank import RankFigures, Target
 from ddptrain.resilience.watchdog import beat_period, verdict_period
 from ddptrain.sections import SnapshotSettings
@@ -82,12 +84,32 @@ def _figures(**changes) -> RankFigures:
     base = dict(rank=0, parameters=10, parameter_bytes=1000, gradient_bytes=1000, optimizer_bytes=2000,
                 buffer_bytes=0, activation_bytes=5000, gathered_bytes=1000, snapshot_bytes=3000, generator_bytes=10,
                 flops_per_step=10, collectives={}, steps_per_epoch=4, train_samples=100, stand_ins=0,
-                eval_samples=None, eval_batches=0, eval_repeats=0)
+                eval_samples=None, eval_batches=0, eval_repeats=0, allocated_peak_bytes=12000,
+                steps_run=1)
     return RankFigures(**{**base, **changes})
 
 
-def test_the_peak_is_what_a_rank_holds_with_the_allocator_s_headroom():
-    assert peak_bytes(_figures()) == int(10000 * 1.10)
+def test_the_peak_is_the_measured_one_with_the_allocator_s_headroom():
+    assert peak_bytes(_figures(allocated_peak_bytes=10000)) == int(10000 * 1.10)
+
+
+def test_live_tensors_count_each_storage_once_until_freed_and_follow_resizes():
+    """What the plan's peak is read from (plan/memory.py): the storages held when it begins,
+    every op's new ones until freed, and storages resized in place (as FSDP frees and refills
+    its whole parameters), at their most."""
+    resize = torch.UntypedStorage.resize_
+    held = torch.zeros(1000)  # 4,000 bytes
+    with LiveTensors([held, held[:10]]) as live:  # a view of it: the same storage, once
+        first = torch.ones(2000)  # 12,000 bytes alive
+        second = first * 2  # 20,000
+        del first  # 12,000
+        refilled = torch.empty(0)
+        refilled.untyped_storage().resize_(40_000)  # 52,000: the most
+        live.optimizer_begins()
+        refilled.untyped_storage().resize_(0)  # 12,000
+        del second
+    assert (live.peak, live.live, live.before_optimizer) == (52_000, 4_000, 52_000)
+    assert torch.UntypedStorage.resize_ is resize  # given back on leaving
 
 
 def test_refusals_name_each_problem_in_a_line():

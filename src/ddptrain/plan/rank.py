@@ -12,6 +12,7 @@ samplers' own arithmetic).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import io
 import itertools
@@ -39,6 +40,7 @@ from ..snapshots.rng import capture_rng
 from ..step import OptimizerStep
 from ..tasks.protocol import Task
 from .fake_group import as_rank, plan_comm_hook
+from .memory import LiveTensors
 
 KINDS = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
          "c10d::_reduce_scatter_base_": "reduce_scatter", "c10d::allgather_": "all_gather",
@@ -79,6 +81,8 @@ class RankFigures:
     eval_samples: int | None  # this rank's share of the evaluation set (None: no evaluation set)
     eval_batches: int
     eval_repeats: int  # batches run only to keep FSDP's all-gathers matched
+    allocated_peak_bytes: int  # measured: the most bytes of tensors held at once in a steady step (memory.py)
+    steps_run: int  # the last one's collectives counted
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -98,40 +102,77 @@ def plan_rank(cfg: RunConfig, factory: Any, target: Target, rank: int, steps: in
 def measure_rank(cfg: RunConfig, factory: Any, ctx: DistContext, steps: int = 2) -> RankFigures:
     """What this rank of the process group it is in (the fake one, or a real one to check the
     plan by) holds and sends over ``steps`` optimizer steps (the last one's collectives counted)."""
-    from .. import tasks
-
-    task = tasks.build(cfg, factory)
-    cfg = cfg.with_task_defaults(task.defaults)
-    # (compiling would only slow the plan: what a rank holds and sends is the same)
-    parallel = dataclasses.replace(cfg.parallel, comm_hook="none" if ctx.backend == "fake" else cfg.comm_hook,
-                                   compile=False)
-    strategy = make_strategy(parallel, ctx, cfg.precision)
-    module = task.model
-    model = strategy.wrap(module, task)
-    if ctx.backend == "fake" and isinstance(model, DistributedDataParallel):
-        model.register_comm_hook(None, plan_comm_hook(cfg.comm_hook))
-    step = _step(task, cfg, ctx, strategy, model, module)
-    groups = _epochs(step.batches)
-    with ActivationProbe(module) as activations:  # (the first micro-batch's forward)
-        step.run(next(groups), 0)
-    for index in range(1, steps - 1):
-        step.run(next(groups), index)
-    with CollectiveCount() as collectives:
-        step.run(next(groups), steps - 1)
+    run = _Run(cfg, factory, ctx, steps)
+    module, optimizer, strategy = run.module, run.step.optimizer, run.strategy
     generators = _serialised(capture_rng())  # (snapshots/rng.py)
     return RankFigures(
         rank=ctx.rank, parameters=sum(_local(p).numel() for p in module.parameters()),
         parameter_bytes=sum(tensor_bytes(p) for p in module.parameters()),
         gradient_bytes=sum(tensor_bytes(p.grad) for p in module.parameters() if p.grad is not None),
-        optimizer_bytes=sum(tensor_bytes(v) for s in step.optimizer.state.values() for v in s.values()
+        optimizer_bytes=sum(tensor_bytes(v) for s in optimizer.state.values() for v in s.values()
                             if isinstance(v, torch.Tensor)),
         buffer_bytes=sum(tensor_bytes(b) for b in module.buffers()),
-        activation_bytes=activations.bytes, gathered_bytes=_gathered_bytes(strategy, module, task, cfg.precision),
-        snapshot_bytes=_snapshot_bytes(strategy, module, step.optimizer, ctx) + (generators * ctx.world_size
-                                                                                 if ctx.is_main else 0),
+        activation_bytes=run.activations.bytes,
+        gathered_bytes=_gathered_bytes(strategy, module, run.task, run.cfg.precision),
+        snapshot_bytes=_snapshot_bytes(strategy, module, optimizer, ctx) + (generators * ctx.world_size
+                                                                            if ctx.is_main else 0),
         generator_bytes=generators,
-        flops_per_step=step.flops.per_step or 0, collectives=collectives.table(),
-        **_data_shares(task, cfg, ctx, strategy, step.batches.steps_per_epoch))
+        flops_per_step=run.step.flops.per_step or 0, collectives=run.collectives.table(),
+        allocated_peak_bytes=run.peak_bytes(), steps_run=run.steps,
+        **_data_shares(run.task, run.cfg, ctx, strategy, run.step.batches.steps_per_epoch))
+
+
+class _Run:
+    """The rank built (the task, the strategy's model, the Trainer's step) and ``steps`` steps run:
+    the first micro-batch's activations probed, the last step's collectives counted."""
+
+    def __init__(self, cfg: RunConfig, factory: Any, ctx: DistContext, steps: int) -> None:
+        from .. import tasks
+
+        self.task = tasks.build(cfg, factory)
+        self.cfg = cfg = cfg.with_task_defaults(self.task.defaults)
+        # (compiling would only slow the plan: what a rank holds and sends is the same)
+        parallel = dataclasses.replace(cfg.parallel, comm_hook="none" if ctx.backend == "fake" else cfg.comm_hook,
+                                       compile=False)
+        self.strategy = make_strategy(parallel, ctx, cfg.precision)
+        self.module = self.task.model
+        model = self.strategy.wrap(self.module, self.task)
+        if ctx.backend == "fake" and isinstance(model, DistributedDataParallel):
+            model.register_comm_hook(None, plan_comm_hook(cfg.comm_hook))
+        self.step = _step(self.task, cfg, ctx, self.strategy, model, self.module)
+        self.activations, self.collectives = ActivationProbe(self.module), CollectiveCount()
+        if is_stream(self.task.train_set):  # its first step also agrees on a stand-in batch (W + 2 numbers)
+            steps = max(steps, 2)
+        self.steps, self.first_step_counted = steps, steps == 1
+        groups = _epochs(self.step.batches)
+        for index in range(steps - 1):
+            with self.activations if index == 0 else contextlib.nullcontext():
+                self.step.run(next(groups), index)
+        self.memory = LiveTensors(self._held())
+        hook = self.step.optimizer.register_step_pre_hook(self.memory.optimizer_begins)
+        with self.activations if steps == 1 else contextlib.nullcontext(), self.collectives, self.memory:
+            self.step.run(next(groups), steps - 1)
+        hook.remove()
+
+    def _held(self) -> Iterator[torch.Tensor]:
+        """What the rank holds between two steps: parameters, gradients, buffers, optimizer state."""
+        for param in self.module.parameters():
+            yield param
+            if param.grad is not None:
+                yield param.grad
+        yield from self.module.buffers()
+        for state in self.step.optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+    def peak_bytes(self) -> int:
+        """The counted step's peak; when that was the first, its forward and backward held no
+        optimizer state yet, which every later one holds beside the same activations."""
+        optimizer = sum(tensor_bytes(v) for s in self.step.optimizer.state.values() for v in s.values()
+                        if isinstance(v, torch.Tensor))
+        before = self.memory.before_optimizer
+        if not self.first_step_counted or before is None:
+            return self.memory.peak
+        return max(self.memory.peak, before + optimizer)
 
 
 def _epochs(batches: Any) -> Iterator[list[Any]]:

@@ -25,8 +25,8 @@ def format_plan(plan: dict[str, Any]) -> str:
     t, hw, time, plane = plan["target"], plan["hardware"], plan["time"], plan["control_plane"]
     lines = [f"plan: {t['strategy']} on {t['world_size']:,} ranks ({t['nnodes']:,} node(s) x {t['nproc_per_node']}), "
              f"batch {t['batch_size']} x accumulation {t['grad_accum']} x ranks = global batch {t['global_batch']:,}",
-             "", _rank_table(plan["ranks"]), "", "collectives per step (the heaviest rank's, counted in its last "
-             f"of {t['steps_planned']} steps):"]
+             "", _rank_table(plan["ranks"]), "", "collectives per step (the heaviest rank's, counted in step "
+             f"{t['steps_planned']} of {t['steps_planned']}):"]
     for c in plan["collectives_per_step"]:
         where = "inside a node" if c["in_node"] else "between nodes"
         lines.append(f"  {c['count']} x {c['kind']} of {c['elements']:,} {c['dtype']} ({size(c['bytes'])}) over "
@@ -65,4 +65,4 @@ def _rank_table(ranks: list[dict[str, Any]]) -> str:
     rows = [[name for name, _ in columns]] + [[cell(r) for _, cell in columns] for r in ranks]
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows) + \
-        "\n(peak: held + activations + gathered, x1.10 for the allocator)"
+        "\n(peak: the most bytes of tensors held at once in a step, measured; x1.10 for the allocator)"
