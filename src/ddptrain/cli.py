@@ -83,6 +83,9 @@ def _add_plan_parser(commands: Any) -> None:
     shape.add_argument("--steps", type=int, default=None, help="optimizer steps each planned rank runs; the last "
                        "one's collectives are counted (default and fewest: 3 under ddp, whose second step rebuilds its "
                        "buckets; 1 otherwise, 2 for a stream, whose first step also agrees on a stand-in batch)")
+    shape.add_argument("--fake-tensors", action="store_true", help="build the model and data, and run the steps, "
+                       "with fake tensors (shapes without data): for a model that does not fit this machine's "
+                       "memory; FSDP's wrapping then takes longer at many ranks")
     shape.add_argument("--global-batch", type=int, default=None, help="keep this global batch: --batch-size becomes "
                        "it over the ranks and --grad-accum (refused when it does not divide)")
     shape.add_argument("--json", action="store_true", help="the plan as JSON (for a CI gate before submitting)")
@@ -307,7 +310,7 @@ def plan_command(args: argparse.Namespace) -> int:
                           f"second); give --steps {fewest} or more")
     cfg = with_global_batch(cfg, target, args.global_batch)
     hw = Hardware(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware)})
-    found = make_plan(cfg, factory, target, chosen_ranks(args.ranks, target.world_size), hw, steps)
+    found = make_plan(cfg, factory, target, chosen_ranks(args.ranks, target.world_size), hw, steps, args.fake_tensors)
     refused = refusals(found, cfg, hw)
     if args.json:
         print(json.dumps({**found, "refusals": refused}, indent=2))

@@ -15,3 +15,12 @@ def wide_mlp(cfg) -> Task:
     task.model = torch.nn.Sequential(torch.nn.Linear(20, 3000), torch.nn.Tanh(), torch.nn.Linear(3000, 2048),
                                      torch.nn.Tanh(), torch.nn.Linear(2048, 1))
     return task
+
+
+def huge_mlp(cfg) -> Task:
+    """The regression data through 10 billion parameters (40 GB of float32: more than this
+    machine's memory, once, let alone with gradients and AdamW's moments)."""
+    task = regression_task(cfg)
+    task.model = torch.nn.Sequential(torch.nn.Linear(20, 100_000), torch.nn.Tanh(),
+                                     torch.nn.Linear(100_000, 100_000), torch.nn.Tanh(), torch.nn.Linear(100_000, 1))
+    return task

@@ -39,6 +39,14 @@ def find_blocks(model: torch.nn.Module, task: Task) -> list[torch.nn.Module]:
     return [m for m in largest if any(True for _ in m.parameters())]
 
 
+def move_to(module: torch.nn.Module, device: torch.device) -> None:
+    """``module.to(device)``, unless all of it is there already: torch swaps each parameter of
+    fake tensors (ddptrain plan --fake-tensors) even for a move to where it is, and fails."""
+    held = [*module.parameters(), *module.buffers()]
+    if any(tensor.device != device for tensor in held):
+        module.to(device)
+
+
 def checkpoint_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
     """Recompute each block's activations in backward (torch's checkpoint_wrapper, in place)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import ConfigError
 from ..tasks.protocol import Task
-from .base import Strategy, checkpoint_blocks, find_blocks, no_blocks_error
+from .base import Strategy, checkpoint_blocks, find_blocks, move_to, no_blocks_error
 from .hooks import register_comm_hook
 from .semi_sync import ReplicaMesh
 
@@ -23,7 +23,7 @@ class DDPStrategy(Strategy):
 
     def wrap(self, module: torch.nn.Module, task: Task) -> torch.nn.Module:
         """DDP across ranks (inside each replica group under --sync local-sgd|diloco)."""
-        module.to(self.ctx.device)
+        move_to(module, self.ctx.device)
         self.shares_buffers = self.ctx.world_size > 1 and any(True for _ in module.buffers())
         if self.parallel.activation_checkpointing:
             blocks = find_blocks(module, task)

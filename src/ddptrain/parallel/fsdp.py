@@ -27,7 +27,7 @@ from ..comm import DistContext
 from ..console import say
 from ..sections import ParallelSettings
 from ..tasks.protocol import Task
-from .base import Strategy, checkpoint_blocks, find_blocks, no_blocks_error, replica_groups
+from .base import Strategy, checkpoint_blocks, find_blocks, move_to, no_blocks_error, replica_groups
 from .precision import autocast_dtype
 
 
@@ -46,7 +46,7 @@ class FSDPStrategy(Strategy):
         return contextlib.nullcontext()
 
     def wrap(self, module: torch.nn.Module, task: Task) -> torch.nn.Module:
-        module.to(self.ctx.device)
+        move_to(module, self.ctx.device)
         self.shares_buffers = self.ctx.world_size > 1 and any(True for _ in module.buffers())
         blocks = find_blocks(module, task)
         if not blocks and self.ctx.is_main:  # the root alone: correct, but gathered whole in every forward

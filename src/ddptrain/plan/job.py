@@ -62,13 +62,14 @@ def steady_step(strategy: str) -> int:
 
 
 def make_plan(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], hw: Hardware,
-              steps: int | None = None) -> dict[str, Any]:
-    """The plan: each chosen rank's figures, and the estimates at the target scale."""
+              steps: int | None = None, fake: bool = False) -> dict[str, Any]:
+    """The plan: each chosen rank's figures, and the estimates at the target scale (``fake``:
+    with fake tensors, for a model that does not fit this machine)."""
     if cfg.fault_tolerance == "torchft":
         raise ConfigError("ddptrain plan: with --fault-tolerance torchft each replica group is a job of its own; "
                           "plan one group (its --world-size) without --fault-tolerance")
     steps = steps or steady_step(cfg.strategy) + 1
-    figures = plan_ranks(cfg, factory, target, ranks, steps)
+    figures = plan_ranks(cfg, factory, target, ranks, steps, fake)
     groups = _collective_groups(cfg, target)
     heaviest = max(figures, key=peak_bytes)
     collectives = [{**c, **groups(c)} for c in heaviest.collectives.values()]
@@ -96,7 +97,8 @@ def make_plan(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], hw
     }
 
 
-def plan_ranks(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], steps: int) -> list[RankFigures]:
+def plan_ranks(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], steps: int,
+               fake: bool = False) -> list[RankFigures]:
     """Each chosen rank planned in a fresh process of its own (spawned), as many at once as there
     are cores. Fresh, because a planned rank leaves torch's process-wide state behind: a real FSDP
     job forked afterwards from a process that had planned one wrote a snapshot that DCP refused,
@@ -112,7 +114,7 @@ def plan_ranks(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], s
     threads = max(1, (os.cpu_count() or 1) // workers)
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                                 initializer=_set_threads, initargs=(threads,)) as pool:
-        return list(pool.map(plan_rank, *zip(*[(cfg, factory, target, rank, steps) for rank in ranks])))
+        return list(pool.map(plan_rank, *zip(*[(cfg, factory, target, rank, steps, fake) for rank in ranks])))
 
 
 def _set_threads(count: int) -> None:

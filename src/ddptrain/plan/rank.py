@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from ..comm import DistContext
 from ..config import RunConfig
@@ -39,7 +40,7 @@ from ..resilience.guard import NonFiniteGuard
 from ..snapshots.rng import capture_rng
 from ..step import OptimizerStep
 from ..tasks.protocol import Task
-from .fake_group import as_rank, plan_comm_hook
+from .fake_group import as_rank, fake_tensors, is_fake, plan_comm_hook
 from .memory import LiveTensors
 
 KINDS = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
@@ -91,18 +92,20 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def plan_rank(cfg: RunConfig, factory: Any, target: Target, rank: int, steps: int = 2) -> RankFigures:
-    """Rank ``rank`` of ``target`` for ``steps`` optimizer steps, through the fake process group."""
+def plan_rank(cfg: RunConfig, factory: Any, target: Target, rank: int, steps: int = 2,
+              fake: bool = False) -> RankFigures:
+    """Rank ``rank`` of ``target`` for ``steps`` optimizer steps, through the fake process group
+    (``fake``: with fake tensors, fake_group.py)."""
     with as_rank(rank, target.world_size):
         ctx = DistContext(rank, target.world_size, rank % target.nproc_per_node, target.nproc_per_node,
                           torch.device("cpu"), "fake")
-        return measure_rank(cfg, factory, ctx, steps)
+        return measure_rank(cfg, factory, ctx, steps, fake)
 
 
-def measure_rank(cfg: RunConfig, factory: Any, ctx: DistContext, steps: int = 2) -> RankFigures:
+def measure_rank(cfg: RunConfig, factory: Any, ctx: DistContext, steps: int = 2, fake: bool = False) -> RankFigures:
     """What this rank of the process group it is in (the fake one, or a real one to check the
     plan by) holds and sends over ``steps`` optimizer steps (the last one's collectives counted)."""
-    run = _Run(cfg, factory, ctx, steps)
+    run = _Run(cfg, factory, ctx, steps, fake)
     module, optimizer, strategy = run.module, run.step.optimizer, run.strategy
     generators = _serialised(capture_rng())  # (snapshots/rng.py)
     return RankFigures(
@@ -126,10 +129,17 @@ class _Run:
     """The rank built (the task, the strategy's model, the Trainer's step) and ``steps`` steps run:
     the first micro-batch's activations probed, the last step's collectives counted."""
 
-    def __init__(self, cfg: RunConfig, factory: Any, ctx: DistContext, steps: int) -> None:
+    def __init__(self, cfg: RunConfig, factory: Any, ctx: DistContext, steps: int, fake: bool) -> None:
         from .. import tasks
 
-        self.task = tasks.build(cfg, factory)
+        # fake tensors: the task's, and under FSDP those its steps make (its gathered parameters).
+        # Not the batches (a sampler's order, a data set's __getitem__ may read values), nor
+        # DDP's, whose checks of the ranks' shapes and bucket order read their data (its reducer's
+        # buckets, the gradients' size, are real memory then), nor a stream's (its steps agree
+        # on their counts)
+        tensors = fake_tensors() if fake else contextlib.nullcontext()
+        with tensors:
+            self.task = tasks.build(cfg, factory)
         self.cfg = cfg = cfg.with_task_defaults(self.task.defaults)
         # (compiling would only slow the plan: what a rank holds and sends is the same)
         parallel = dataclasses.replace(cfg.parallel, comm_hook="none" if ctx.backend == "fake" else cfg.comm_hook,
@@ -137,21 +147,28 @@ class _Run:
         self.strategy = make_strategy(parallel, ctx, cfg.precision)
         self.module = self.task.model
         model = self.strategy.wrap(self.module, self.task)
-        if ctx.backend == "fake" and isinstance(model, DistributedDataParallel):
+        ddp = isinstance(model, DistributedDataParallel)
+        if ctx.backend == "fake" and ddp:
             model.register_comm_hook(None, plan_comm_hook(cfg.comm_hook))
         self.step = _step(self.task, cfg, ctx, self.strategy, model, self.module)
-        self.activations, self.collectives = ActivationProbe(self.module), CollectiveCount()
         if is_stream(self.task.train_set):  # its first step also agrees on a stand-in batch (W + 2 numbers)
             steps = max(steps, 2)
         self.steps, self.first_step_counted = steps, steps == 1
+        self._run_steps(contextlib.nullcontext() if ddp or is_stream(self.task.train_set) else tensors)
+
+    def _run_steps(self, tensors: contextlib.AbstractContextManager[Any]) -> None:
+        self.activations, self.collectives = ActivationProbe(self.module), CollectiveCount()
         groups = _epochs(self.step.batches)
-        for index in range(steps - 1):
-            with self.activations if index == 0 else contextlib.nullcontext():
-                self.step.run(next(groups), index)
+        for index in range(self.steps - 1):
+            group = next(groups)
+            with tensors, self.activations if index == 0 else contextlib.nullcontext():
+                self.step.run(group, index)
         self.memory = LiveTensors(self._held())
         hook = self.step.optimizer.register_step_pre_hook(self.memory.optimizer_begins)
-        with self.activations if steps == 1 else contextlib.nullcontext(), self.collectives, self.memory:
-            self.step.run(next(groups), steps - 1)
+        with self.collectives, self.memory:  # (a stream's batches start the step's agreement on its count)
+            group = next(groups)
+            with tensors, self.activations if self.steps == 1 else contextlib.nullcontext():
+                self.step.run(group, self.steps - 1)
         hook.remove()
 
     def _held(self) -> Iterator[torch.Tensor]:
@@ -237,8 +254,7 @@ class ActivationProbe:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module, self.bytes = module, 0
-        self.held = {_local(p).untyped_storage().data_ptr() for p in module.parameters()}
-        self.saved: dict[int, torch.UntypedStorage] = {}
+        self.saved: dict[int, torch.UntypedStorage] = {}  # by the storage's C++ address (a fake one has no data's)
         self.counting = self.done = False
 
     def __enter__(self) -> ActivationProbe:
@@ -257,16 +273,16 @@ class ActivationProbe:
         self.counting = not self.done
 
     def _end(self, *_: Any) -> None:
-        if self.counting:
-            self.bytes = sum(storage.nbytes() for storage in self.saved.values())
+        if self.counting:  # (the parameters as they stand now: FSDP's first forward replaces them)
+            held = {_local(p).untyped_storage()._cdata for p in self.module.parameters()}
+            self.bytes = sum(storage.nbytes() for key, storage in self.saved.items() if key not in held)
             self.saved.clear()
             self.counting, self.done = False, True
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.counting:
             storage = tensor.untyped_storage()
-            if storage.data_ptr() not in self.held:
-                self.saved[storage.data_ptr()] = storage
+            self.saved[storage._cdata] = storage
         return tensor
 
 
@@ -335,10 +351,18 @@ def _entries(tree: Any) -> list[Any]:
 
 
 def _serialised(value: Any) -> int:
-    """Bytes of ``torch.save(value)``."""
+    """Bytes of ``torch.save(value)`` (a fake tensor's: its storage's bytes, which are not there)."""
+    absent = []
+
+    def stand_in(tensor: torch.Tensor) -> torch.Tensor:
+        if not is_fake(tensor):
+            return tensor
+        absent.append(tensor.untyped_storage().nbytes())
+        return torch.empty(0, dtype=tensor.dtype)
+
     buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.tell()
+    torch.save(tree_map_only(torch.Tensor, stand_in, value), buffer)
+    return buffer.tell() + sum(absent)
 
 
 def _data_shares(task: Task, cfg: RunConfig, ctx: DistContext, strategy: Strategy,
