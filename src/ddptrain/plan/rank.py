@@ -148,7 +148,7 @@ class _Run:
         self.module = self.task.model
         model = self.strategy.wrap(self.module, self.task)
         ddp = isinstance(model, DistributedDataParallel)
-        if ctx.backend == "fake" and ddp:
+        if ctx.backend == "fake" and isinstance(model, DistributedDataParallel):
             model.register_comm_hook(None, plan_comm_hook(cfg.comm_hook))
         self.step = _step(self.task, cfg, ctx, self.strategy, model, self.module)
         if is_stream(self.task.train_set):  # its first step also agrees on a stand-in batch (W + 2 numbers)
