@@ -57,7 +57,8 @@ def steady_step(strategy: str) -> int:
     buckets in its second step (rank 0 broadcasts their order); FSDP's and HSDP's steps are alike
     from the first (their first and second steps' figures compared equal, every one, with AdamW,
     accumulation, bf16, clipping, --skip-nonfinite, --ema), so one step is their plan: GPT-2's
-    at 16,384 ranks spent 26 s of its 77 s in a second step."""
+    at 16,384 ranks spent 26 s of its 77 s in a second step. (A stream's first step is not
+    steady under any strategy: plan/rank.py runs it twice.)"""
     return 2 if strategy == "ddp" else 0
 
 
