@@ -24,20 +24,22 @@ def lighthouse(request):
         yield address
 
 
-@pytest.mark.parametrize("kind", ["diloco", "local-sgd"])
-def test_with_every_group_present_two_torchft_groups_are_one_jobs_two_groups(lighthouse, tmp_path, kind):
-    """Group G reads rank G's share of 2, as rank G of a 2-rank job in 2 groups of one does; both
-    meet every 4 steps. DiLoCo (the paper's outer step: lr 0.7, Nesterov 0.9) is bitwise that
-    job's: the same mean of two pseudo-gradients, the same outer step; the groups' first meeting,
-    before any step, brings nothing and changes nothing. Local SGD is allclose (across jobs it
-    is the mean of the pseudo-gradients subtracted from the last synced weights; in one job,
-    torch's average of the weights)."""
+@pytest.mark.parametrize("kind,ranks", [("diloco", 1), ("local-sgd", 1), ("diloco", 2)])
+def test_with_every_group_present_two_torchft_groups_are_one_jobs_two_groups(lighthouse, tmp_path, kind, ranks):
+    """Group G's rank r reads rank G·W + r's share of 2·W, as in a 2·W-rank job in 2 groups of W;
+    both meet every 4 steps. DiLoCo (the paper's outer step: lr 0.7, Nesterov 0.9) is bitwise that
+    job's, with groups of one rank or of two (DDP inside each, its ranks meeting the other group's
+    rank for rank): the same mean of two pseudo-gradients, the same outer step; the groups' first
+    meeting, before any step, brings nothing and changes nothing. Local SGD is allclose (across
+    jobs it is the mean of the pseudo-gradients subtracted from the last synced weights; in one
+    job, torch's average of the weights)."""
     outer = ("--outer-lr", "0.7", "--outer-momentum", "0.9") if kind == "diloco" else ()
-    options = ("--task", "regression", "--max-epochs", "2", "--nproc", "1", "--sync", kind, "--sync-every", "4", *outer)
+    options = ("--task", "regression", "--max-epochs", "2", "--nproc", str(ranks), "--sync", kind, "--sync-every", "4",
+               *outer)
     groups = [group_job(lighthouse, g, tmp_path / f"group-{g}", *options) for g in (0, 1)]
     logs = [wait_ok(p) for p in groups]
     fit("regression", tmp_path / "one-job", sync=kind, sync_every=4, replicas=2, max_epochs=2, batch_size=16,
-        **({"outer_lr": 0.7, "outer_momentum": 0.9} if kind == "diloco" else {}))
+        nproc=2 * ranks, **({"outer_lr": 0.7, "outer_momentum": 0.9} if kind == "diloco" else {}))
     weights = [load_model(tmp_path / f"group-{g}") for g in (0, 1)]
     assert_same_weights(weights[0], weights[1], exact=True)
     assert_same_weights(weights[0], load_model(tmp_path / "one-job"), exact=kind == "diloco")
