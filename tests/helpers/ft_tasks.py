@@ -7,6 +7,7 @@ restarted on a busy machine then still finds the other training. Named as ``--ta
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -37,3 +38,26 @@ def paced(cfg) -> Task:
 
 
 kill_paced = killable(paced)
+
+
+def kill_in_meeting(cfg) -> Task:
+    """``paced``, whose rank SIGKILLs itself inside its KILL_MEETING-th meeting of the replica
+    groups (--sync: torchft's all-reduce of what the groups bring), once it has started that
+    all-reduce, in the first attempt (KILL_MARKER)."""
+    task = paced(cfg)
+    if os.environ.get("KILL_MEETING"):
+        from torchft.manager import Manager
+
+        meeting, marker, allreduce = int(os.environ["KILL_MEETING"]), Path(os.environ["KILL_MARKER"]), Manager.allreduce
+        calls = {"n": 0}
+
+        def allreduce_then_die(self, tensor, *args, **kwargs):
+            work = allreduce(self, tensor, *args, **kwargs)
+            calls["n"] += 1
+            if calls["n"] == meeting and not marker.exists():
+                marker.write_text("killed")
+                os.kill(os.getpid(), signal.SIGKILL)
+            return work
+
+        Manager.allreduce = allreduce_then_die
+    return task

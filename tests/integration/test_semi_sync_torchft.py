@@ -118,3 +118,19 @@ def test_of_three_groups_a_straggler_missing_a_meeting_heals_at_the_next_and_all
     weights = [load_model(tmp_path / f"group-{g}") for g in (0, 1, 2)]
     for other in weights[1:]:
         assert_same_weights(weights[0], other, exact=True)
+
+
+@pytest.mark.heartbeat_ms(HEARTBEAT_MS)
+def test_a_group_killed_inside_a_meeting_is_rolled_back_or_counted_and_both_end_equal(lighthouse, tmp_path):
+    """DiLoCo every 4 steps, snapshots every 8. Group 1 SIGKILLs itself inside its 5th meeting
+    (the one after step 16), its all-reduce started. Group 0's meeting then fails (every group
+    back to the weights of the meeting before) or completes with group 1's part; either way group
+    0 trains on, group 1 started again heals from it at a later meeting, and both end bitwise equal."""
+    kill = {"KILL_MEETING": "5", "KILL_MARKER": str(tmp_path / "killed"), "STEP_SLEEP": "0.05"}
+    options = ("--task", "ft_tasks:kill_in_meeting", "--max-epochs", "3", "--save-every", "8", "--nproc", "1",
+               "--sync", "diloco", "--sync-every", "4", "--outer-lr", "0.7", "--outer-momentum", "0.9")
+    log0, log1 = group_1_killed_and_restarted(lighthouse, tmp_path, options, kill)
+    # measured: not taken at 16 (the roll-back), then "left" at 20, joined at 44, rejoined at 45
+    assert re.search(r"step (16: the replica groups' sync was not taken|20: replica group 1 left)", log0), log0
+    assert "rejoined from a live peer" in log1, log1
+    assert_same_weights(load_model(tmp_path / "group-0"), load_model(tmp_path / "group-1"), exact=True)
