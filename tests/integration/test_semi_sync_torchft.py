@@ -1,7 +1,8 @@
 """--sync local-sgd | diloco across torchft replica groups: each group a real `ddptrain train` job
-meeting the other at a real lighthouse every --sync-every steps, and nowhere between. With every
-group present they are one job's groups (--replicas); a group SIGKILLed between two meetings
-leaves the other training, and heals from it at its next meeting."""
+meeting the others at a real lighthouse every --sync-every steps, and nowhere between. With every
+group present they are one job's groups (--replicas), of one rank or two; a group SIGKILLed
+between two meetings, or inside one, leaves the other training, and heals from it at a later
+meeting; of three, a straggler left out of a meeting heals at the next it reaches."""
 
 from __future__ import annotations
 
