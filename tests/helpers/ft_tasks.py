@@ -1,8 +1,9 @@
 """Tasks for --fault-tolerance torchft: the tutorial's regression, each step a little slower
-(STEP_SLEEP seconds), rank 0 noting when each of its losses is computed (STEP_LOG), and the
-killable variant (kills.py). HOLD_AT / HOLD_UNTIL: rank 0 waits at its HOLD_AT-th loss until
-the file HOLD_UNTIL exists (which STARTED writes when a group's job builds its task): a group
-restarted on a busy machine then still finds the other training. Named as ``--task ft_tasks:NAME``."""
+(STEP_SLEEP seconds), rank 0 noting when each of its losses is computed (STEP_LOG), the
+killable variant (kills.py), and one killed inside a meeting of the groups (KILL_MEETING).
+HOLD_AT / HOLD_UNTIL: rank 0 waits at its HOLD_AT-th loss until the file HOLD_UNTIL exists
+(which STARTED writes when a group's job builds its task): a group restarted on a busy machine
+then still finds the other training. Named as ``--task ft_tasks:NAME``."""
 
 from __future__ import annotations
 
