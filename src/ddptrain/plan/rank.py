@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
@@ -40,7 +41,7 @@ from ..resilience.guard import NonFiniteGuard
 from ..snapshots.rng import capture_rng
 from ..step import OptimizerStep
 from ..tasks.protocol import Task
-from .fake_group import as_rank, fake_tensors, is_fake, plan_comm_hook
+from .fake_group import as_rank, fake_tensors, plan_comm_hook
 from .memory import LiveTensors
 
 KINDS = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
@@ -112,8 +113,7 @@ def measure_rank(cfg: RunConfig, factory: Any, ctx: DistContext, steps: int = 2,
         rank=ctx.rank, parameters=sum(_local(p).numel() for p in module.parameters()),
         parameter_bytes=sum(tensor_bytes(p) for p in module.parameters()),
         gradient_bytes=sum(tensor_bytes(p.grad) for p in module.parameters() if p.grad is not None),
-        optimizer_bytes=sum(tensor_bytes(v) for s in optimizer.state.values() for v in s.values()
-                            if isinstance(v, torch.Tensor)),
+        optimizer_bytes=_state_bytes(optimizer),
         buffer_bytes=sum(tensor_bytes(b) for b in module.buffers()),
         activation_bytes=run.activations.bytes,
         gathered_bytes=_gathered_bytes(strategy, module, run.task, run.cfg.precision),
@@ -151,10 +151,11 @@ class _Run:
         if ctx.backend == "fake" and isinstance(model, DistributedDataParallel):
             model.register_comm_hook(None, plan_comm_hook(cfg.comm_hook))
         self.step = _step(self.task, cfg, ctx, self.strategy, model, self.module)
-        if is_stream(self.task.train_set):  # its first step also agrees on a stand-in batch (W + 2 numbers)
+        stream = is_stream(self.task.train_set)
+        if stream:  # its first step also agrees on a stand-in batch (W + 2 numbers)
             steps = max(steps, 2)
         self.steps, self.first_step_counted = steps, steps == 1
-        self._run_steps(contextlib.nullcontext() if ddp or is_stream(self.task.train_set) else tensors)
+        self._run_steps(contextlib.nullcontext() if ddp or stream else tensors)
 
     def _run_steps(self, tensors: contextlib.AbstractContextManager[Any]) -> None:
         self.activations, self.collectives = ActivationProbe(self.module), CollectiveCount()
@@ -184,12 +185,15 @@ class _Run:
     def peak_bytes(self) -> int:
         """The counted step's peak; when that was the first, its forward and backward held no
         optimizer state yet, which every later one holds beside the same activations."""
-        optimizer = sum(tensor_bytes(v) for s in self.step.optimizer.state.values() for v in s.values()
-                        if isinstance(v, torch.Tensor))
         before = self.memory.before_optimizer
         if not self.first_step_counted or before is None:
             return self.memory.peak
-        return max(self.memory.peak, before + optimizer)
+        return max(self.memory.peak, before + _state_bytes(self.step.optimizer))
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """This rank's bytes of the optimizer's state (its shards under FSDP)."""
+    return sum(tensor_bytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
 
 
 def _epochs(batches: Any) -> Iterator[list[Any]]:
