@@ -86,40 +86,47 @@ def data_context(resilience: ResilienceSettings, ctx: DistContext) -> DistContex
     return dataclasses.replace(ctx, rank=group * ctx.world_size + ctx.rank, world_size=groups * ctx.world_size)
 
 
-def _quorum_keyed(base: type) -> type:
-    """torchft's process group, its store keys unique to each quorum.
+class _QuorumNamed:
+    """torchft's ManagerClient, each quorum it returns renamed so that no two quorums share an id.
 
-    torchft rendezvouses the groups' process group under ``torchft/<quorum id>/`` in the store
-    of a quorum's member, and its ``configure`` must never see the same prefix twice. A
-    lighthouse restarted mid-run numbers its quorums from 1 again: a group that had lived
-    through the old ones found their keys (the addresses of a group long gone) and hung in the
-    rendezvous for --timeout (seen once under load: one group took the new lighthouse's first
-    quorum alone, the second quorum reused the old second's keys). The prefix also carries a
-    digest of the quorum's members and its step (``_QuorumSeen``), the same on every member."""
+    torchft takes a quorum whose id equals the last one's for the same quorum: it neither
+    reconfigures the groups' process group nor picks new store keys (``torchft/<quorum id>/``).
+    A lighthouse restarted mid-run numbers its quorums from 1 again, so a group that had lived
+    through the old lighthouse's quorum 2 (the job's start: one group, then both) met the new
+    one's quorum 2 (one group alone at the new lighthouse, then both), kept its old process
+    group and failed its heal in PGTransport's ``recv`` ("Connection closed by peer": the peer
+    had reconfigured), while the peer waited for it in the new group's rendezvous until
+    --timeout (reproduced here: one group SIGSTOPped across a lighthouse restart). Earlier, a
+    group found the old quorum's store keys and hung in the rendezvous.
 
-    class QuorumKeyed(base):
-        quorum_key = ""  # set from the quorum torchft's Manager received, before it configures
+    The lighthouse keeps an id while its members stay: so does this, and a quorum with a new
+    lighthouse id, new members, or a member behind the others (a heal: never so in a quorum
+    that goes on) gets a new id, a digest of the lighthouse's id, the step and the members
+    (their ids carry a uuid of each process), the same on every member."""
 
-        def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
-            super().configure(f"{store_addr}/{self.quorum_key}" if self.quorum_key else store_addr, *args, **kwargs)
-
-    return QuorumKeyed
-
-
-class _QuorumSeen:
-    """torchft's ManagerClient, noting each quorum's members and step for the process group."""
-
-    def __init__(self, client: Any, pg: Any) -> None:
-        self._client, self._pg = client, pg
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._seen: tuple[int, list[str]] | None = None  # the last quorum's lighthouse id and members
+        self._id = -1  # and the id given to it
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         quorum = self._client._quorum(*args, **kwargs)
-        seen = f"{quorum.max_step}|{','.join(sorted(quorum.replica_ids))}"
-        self._pg.quorum_key = hashlib.sha256(seen.encode()).hexdigest()[:12]
+        seen = (quorum.quorum_id, sorted(quorum.replica_ids))
+        behind = quorum.heal or bool(quorum.recover_dst_replica_ranks)
+        if seen != self._seen or behind:
+            self._seen, self._id = seen, quorum_id(quorum.quorum_id, quorum.max_step, quorum.replica_ids)
+        quorum.quorum_id = self._id
         return quorum
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
+
+
+def quorum_id(lighthouse_id: int, max_step: int, replica_ids: list[str]) -> int:
+    """A new quorum's id for torchft: a digest of the lighthouse's id, the step and the members,
+    the same on every member (a positive 60-bit integer: torchft keeps it as an i64)."""
+    seen = f"{lighthouse_id}|{max_step}|{','.join(sorted(replica_ids))}"
+    return int(hashlib.sha256(seen.encode()).hexdigest()[:15], 16) + 1
 
 
 class ReplicaGroups:
@@ -146,11 +153,11 @@ class ReplicaGroups:
         self.replica_id = f"group{self.group}.{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
         self._load_state = load_state_dict
         self.timeout_s = resilience.timeout
-        self.pg = _quorum_keyed(ProcessGroupGloo)(timeout=timedelta(seconds=self.timeout_s))
+        self.pg = ProcessGroupGloo(timeout=timedelta(seconds=self.timeout_s))
         address = self.address
         try:
             self.manager = self._manager(ctx, state_dict, address)
-            self.manager._client = _QuorumSeen(self.manager._client, self.pg)
+            self.manager._client = _QuorumNamed(self.manager._client)
         except RuntimeError as error:
             if "failed to connect" not in str(error):
                 raise
