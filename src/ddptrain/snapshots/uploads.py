@@ -222,17 +222,18 @@ class Uploader:
             self.cond.wait(seconds)
 
     def _uploaded(self, upload: Upload, sent: int) -> None:
+        # All of it before close() can see the queue empty: the process may end as soon as it
+        # does (the line that the store caught up was once cut off that way, under load)
         with self.cond:
             if self.queue.get(upload.key) is upload:  # else a newer copy was queued meanwhile: it goes too
                 del self.queue[upload.key]
             if self.down_since is not None:
                 self.sent_while_down += sent
-            caught_up = self.down_since is not None and not self.queue
+            if isinstance(upload, SnapshotUpload):
+                files.rotate(self.mirror / "snapshots", self.keep, spare=self.pending_snapshots())
+            if self.down_since is not None and not self.queue:
+                self._back()
             self.cond.notify_all()
-        if isinstance(upload, SnapshotUpload):
-            files.rotate(self.mirror / "snapshots", self.keep, spare=self.pending_snapshots())
-        if caught_up:
-            self._back()
 
     def _went_down(self, error: BaseException) -> None:
         self.problem = f"{type(error).__name__}: {' '.join(str(error).split())[:120]}"
