@@ -43,18 +43,23 @@ def killable(factory):
     batches count too), once (a marker file KILL_MARKER says it happened); without KILL_RANK, just
     ``factory``. With KILL_ONCE_SAVED (a snapshots folder), the kill first waits until a snapshot
     is committed there: the writer is a background thread, which a busy machine can hold back
-    past the kill, and a resume with nothing to resume is a fresh start, another scenario."""
+    past the kill, and a resume with nothing to resume is a fresh start, another scenario. With
+    KILL_ONCE_STORED (a store's run dir), until the store holds a committed snapshot: its uploads
+    are a background thread's too (seen: a busy machine's run killed before any, and the "other
+    machine" started afresh)."""
     def build(cfg) -> Task:
         task = factory(cfg)
         if "KILL_RANK" not in os.environ:
             return task
         rank, step, marker = int(os.environ["KILL_RANK"]), int(os.environ["KILL_STEP"]), Path(os.environ["KILL_MARKER"])
-        saved_in = os.environ.get("KILL_ONCE_SAVED")
+        saved_in, stored_in = os.environ.get("KILL_ONCE_SAVED"), os.environ.get("KILL_ONCE_STORED")
 
         def maybe_kill(n: int) -> None:
             if n == step and _rank() == rank and _first_attempt(marker):
                 if saved_in:
                     _wait_for_a_snapshot(Path(saved_in))
+                if stored_in:
+                    _wait_for_a_stored_snapshot(stored_in)
                 marker.write_text("killed")
                 os.kill(os.getpid(), signal.SIGKILL)
         return _on_step(task, maybe_kill)
@@ -70,6 +75,16 @@ def _wait_for_a_snapshot(folder: Path, timeout_s: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"no snapshot committed in {folder} after {timeout_s:.0f} s")
         time.sleep(0.02)
+
+
+def _wait_for_a_stored_snapshot(url: str, timeout_s: float = 60.0) -> None:
+    from ddptrain.run_dir import StoreRunDir
+
+    store, deadline = StoreRunDir(url), time.monotonic() + timeout_s
+    while not store.committed():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no snapshot committed in {url} after {timeout_s:.0f} s")
+        time.sleep(0.1)
 
 
 def killed_on_schedule(factory):

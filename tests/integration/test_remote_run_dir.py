@@ -39,11 +39,12 @@ def _remote_model(server, path):
 def test_ddp_run_killed_and_resumed_on_another_machine_is_bitwise_the_local_run(s3_server, tmp_path, local_runs,
                                                                                  capfd):
     url = s3_server.bucket("ddp") + "/team/run-1"
-    kill = {"KILL_RANK": "1", "KILL_STEP": "42", "KILL_MARKER": str(tmp_path / "killed")}
+    kill = {"KILL_RANK": "1", "KILL_STEP": "42", "KILL_MARKER": str(tmp_path / "killed"), "KILL_ONCE_STORED": url}
     with pytest.raises(TrainingFailed):
         fit(TASKS + "kill_at_step", url, env=_machine(s3_server, tmp_path, "machine-1", **kill), **ARGS)
     fit(TASKS + "kill_at_step", url, env=_machine(s3_server, tmp_path, "machine-2", **kill), **ARGS)
-    assert "resumed from" in capfd.readouterr().out
+    out, err = capfd.readouterr()
+    assert "resumed from" in out, out + err
     assert_same_weights(_remote_model(s3_server, "ddp/team/run-1"), load_model(local_runs / "ddp"), exact=True)
 
     fs = s3_server.filesystem()
@@ -78,7 +79,7 @@ def test_a_snapshot_cut_before_its_manifest_is_never_loaded(s3_server, tmp_path,
 
 def test_fsdp_run_writes_dcp_to_the_store_and_resumes_bitwise(s3_server, tmp_path, local_runs):
     url = s3_server.bucket("fsdp") + "/run"
-    kill = {"KILL_RANK": "1", "KILL_STEP": "27", "KILL_MARKER": str(tmp_path / "killed")}
+    kill = {"KILL_RANK": "1", "KILL_STEP": "27", "KILL_MARKER": str(tmp_path / "killed"), "KILL_ONCE_STORED": url}
     options = {"strategy": "fsdp", "max_epochs": 2, "save_every": 10}
     with pytest.raises(TrainingFailed):
         fit(TASKS + "kill_digits", url, env=_machine(s3_server, tmp_path, "m1", **kill), **options)
