@@ -14,7 +14,8 @@ from ddptrain.resilience.replicas import _QuorumNamed  # noqa: E402
 A, B = "group0.job:uuid-a", "group1.job:uuid-b"
 
 
-def quorum(lighthouse_id: int, step: int, members: list[str], heal: bool = False, donor_to: list[int] = ()):
+def quorum(lighthouse_id: int, step: int, members: list[str], heal: bool = False,
+           donor_to: tuple[int, ...] = ()) -> QuorumResult:
     result = QuorumResult()
     result.quorum_id, result.max_step, result.replica_ids = lighthouse_id, step, members
     result.heal, result.recover_dst_replica_ranks = heal, list(donor_to)
