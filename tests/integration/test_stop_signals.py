@@ -15,6 +15,7 @@ import pytest
 from helpers.commands import (
     BIN,
     REPO,
+    ask_for_stacks,
     assert_ok,
     assert_same_weights,
     clean_env,
@@ -65,7 +66,12 @@ def test_a_stop_signal_to_the_launcher_ends_the_job_within_10_s_and_it_resumes_b
         [sys.executable, str(script), str(run_dir)]
     job = start(command, env=clean_env(**ENV))
     deadline = time.monotonic() + 60
-    while len(read_metrics(run_dir)) < 20 and time.monotonic() < deadline:
+    while len(read_metrics(run_dir)) < 20:
+        if time.monotonic() > deadline or job.poll() is not None:  # (seen once in a suite: no record in 60 s)
+            stacks = ask_for_stacks([job.pid, *descendants(job.pid)])
+            out, err, _ = finish(job, 0)
+            raise AssertionError(f"{len(read_metrics(run_dir))} records, exit status {job.returncode}:\n{out}\n{err}"
+                                 f"{stacks}")
         time.sleep(0.05)
     ranks = [int(p.read_text()) for p in (run_dir / "pids").glob("rank-*.pid")]
     # every rank on this machine: the launcher's and rank 0's stores listen on loopback alone
