@@ -18,8 +18,7 @@ import sys
 from pathlib import Path
 
 from ddptrain import errors
-from ddptrain.config import flag
-from ddptrain.sections import SECTIONS, Section, section_purpose
+from ddptrain.settings import SECTIONS, Section, flag, section_purpose
 from ddptrain.tasks.protocol import Task
 
 DOCS = Path(__file__).parent

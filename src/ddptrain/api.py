@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
-from .config import RunConfig
-from .config_checks import parse_nproc, validate
 from .errors import ConfigError, Stopped, TrainingFailed  # noqa: F401 - ddptrain.api's names too
 from .run_dir import RunDir
-from .settings import from_options, read_settings_file, setting_name
+from .settings import RunConfig
+from .settings.checks import parse_nproc, validate
+from .settings.parsing import from_options, read_settings_file, setting_name
 
 if TYPE_CHECKING:  # torch is imported only once the settings are known to be good
     from .launch.rank import Outcome

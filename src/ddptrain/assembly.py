@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from .comm import DistContext, apply_step_timeout
-from .config import OPTIMIZER_SETTINGS, RunConfig, unset_settings
 from .data import EvalBatches, StreamBatches, eval_subset, is_stream, training_batches
 from .errors import ConfigError
 from .evaluations import Evaluations
@@ -37,6 +36,7 @@ from .resilience.guard import NonFiniteGuard
 from .resilience.replicas import ReplicaGroups, data_context
 from .resilience.stop_signals import StopSignal
 from .run_dir import RunDir
+from .settings import OPTIMIZER_SETTINGS, RunConfig, unset_settings
 from .snapshots.best import best_model
 from .snapshots.checkpointer import Checkpointer, OneTable
 from .snapshots.files import list_snapshots, snapshot_dir

@@ -16,10 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .config import FIELDS, flag
 from .errors import ConfigError
-from .sections import SECTIONS, section_purpose
-from .settings import coerce, field_type
+from .settings import FIELDS, SECTIONS, flag, section_purpose
+from .settings.parsing import coerce, field_type
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -42,7 +41,7 @@ def _typed(field: str, flag_name: str) -> Any:
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per setting, with its help text and default from its section's dataclass,
-    grouped in ``--help`` by section (sections.py), each with its line of purpose.
+    grouped in ``--help`` by section (settings/sections.py), each with its line of purpose.
 
     Flags not given stay out of the namespace (SUPPRESS), so a --config file's value is
     kept unless the flag overrides it."""
@@ -164,7 +163,7 @@ def _nearest(unknown: list[str], command: str) -> str:
     """``; did you mean --log-every?`` for the first unknown flag of ``train`` that is close to one."""
     if command != "train":
         return ""
-    from .config import nearest_flag
+    from .settings.parsing import nearest_flag
 
     for word in unknown:
         if word.startswith("--") and (close := nearest_flag(word.split("=", 1)[0])):
@@ -244,8 +243,8 @@ def report(args: argparse.Namespace) -> int:
 
 def sync_store(url: str) -> str:
     """``report URL --sync store``: this machine's mirror's uploads that never happened."""
-    from .config import RunConfig
     from .run_dir import RunDir, StoreRunDir
+    from .settings import RunConfig
     from .snapshots.uploads import sync_line, sync_up
 
     remote = RunDir.of(url)

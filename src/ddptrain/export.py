@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from .config import BUILT
 from .errors import ConfigError
+from .settings import BUILT
 
 FORMATS = ("safetensors", "hf", "torch")
 
@@ -190,7 +190,7 @@ def _with_adapters(model: Any, adapters: dict[str, dict[str, Any]]) -> Any:
 def _from_task(run_dir: Path) -> Any:
     """A run from before hf_model.json: the task factory rebuilds the model (it may need the data)."""
     from . import tasks
-    from .settings import from_options
+    from .settings.parsing import from_options
 
     settings: dict[str, Any] = json.loads((run_dir / "config.json").read_text())
     cfg = from_options({k: v for k, v in settings.items() if v is not None and k != BUILT})

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
-from .sections import OptimizerSettings, TrainingSettings
+from .settings import OptimizerSettings, TrainingSettings
 from .tasks.protocol import SchedulerFactory
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .sections import EvaluationSettings, TrainingSettings
+from .settings import EvaluationSettings, TrainingSettings
 
 
 @dataclass

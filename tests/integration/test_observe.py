@@ -12,10 +12,10 @@ from torch.utils.data import TensorDataset
 
 from ddptrain import Task
 from ddptrain.cli import main
-from ddptrain.config import RunConfig
 from ddptrain.data import EvalBatches
 from ddptrain.observe.evaluation import evaluate
 from ddptrain.optim import build_scheduler, lr_factor
+from ddptrain.settings import RunConfig
 from ddptrain.tasks.digits import accuracy, digits_task
 from helpers.commands import assert_same_weights, fit, load_model, read_metrics
 from helpers.ranks import run_on_ranks

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from ddptrain.config import RunConfig
+from ddptrain.settings import RunConfig
 from ddptrain.snapshots import files
 from ddptrain.tasks import digits_task
 from helpers.commands import (

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from ddptrain.config import RunConfig
+from ddptrain.settings import RunConfig
 from ddptrain.snapshots import files
 from ddptrain.tasks import digits_task
 from helpers.commands import assert_same_weights, ddptrain_cli, fit, load_model, read_metrics

@@ -148,7 +148,7 @@ def test_knobs_resume_bitwise(tmp_path, knobs):
 def test_a_finished_runs_config_json_is_read_back_as_settings(tmp_path):
     """config.json's record of what was built is no setting: the same run found again through it."""
     fit(TASKS + "own_optimizer_and_schedule", tmp_path / "run", batch_size=64, max_steps=4)
-    from ddptrain.settings import from_options, read_settings_file
+    from ddptrain.settings.parsing import from_options, read_settings_file
 
     settings = read_settings_file(tmp_path / "run" / "config.json")
     assert "built" not in settings

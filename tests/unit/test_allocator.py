@@ -60,4 +60,4 @@ def test_what_runs_before_the_re_execution_imports_next_to_nothing():
              "print(' '.join(sorted(sys.modules)))")
     printed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     loaded = set(printed.split())
-    assert not {"ddptrain.config", "ddptrain.cli", "importlib.metadata", "torch"} & loaded, sorted(loaded)
+    assert not {"ddptrain.settings", "ddptrain.cli", "importlib.metadata", "torch"} & loaded, sorted(loaded)

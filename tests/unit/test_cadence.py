@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddptrain.config import RunConfig
 from ddptrain.progress import Action, Cadence, Progress
+from ddptrain.settings import RunConfig
 
 
 def cadence(steps_per_epoch: int | None = 10, evaluates: bool = True, early: list[bool] | None = None,

@@ -9,8 +9,8 @@ import torch
 from ddptrain import ConfigError, RunConfig
 from ddptrain.api import prepare
 from ddptrain.cli import build_parser, given_options
-from ddptrain.config import default_run_dir
-from ddptrain.sections import SECTIONS
+from ddptrain.settings import SECTIONS
+from ddptrain.settings.fingerprint import default_run_dir
 from ddptrain.tasks.protocol import check_loss, check_pair, split_loss
 
 
@@ -114,8 +114,8 @@ def test_an_empty_tracker_name_is_one_line(given):
 
 def test_torchft_replica_groups_share_the_data_and_count_in_the_global_batch():
     from ddptrain.comm import DistContext
-    from ddptrain.config_checks import validate
     from ddptrain.resilience.replicas import data_context
+    from ddptrain.settings.checks import validate
 
     cfg = RunConfig(fault_tolerance="torchft", replica_group=1, replica_groups=3, batch_size=4, grad_accum=2)
     validate(cfg)

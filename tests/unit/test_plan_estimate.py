@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from ddptrain.config import RunConfig
 from ddptrain.errors import ConfigError
 from ddptrain.observe.goodput import restart_goodput
 from ddptrain.plan.estimate import (
@@ -23,7 +22,7 @@ from ddptrain.plan.job import chosen_ranks, peak_bytes, refusals, with_global_ba
 from ddptrain.plan.memory import LiveTensors
 from ddptrain.plan.rank import RankFigures, Target
 from ddptrain.resilience.watchdog import beat_period, verdict_period
-from ddptrain.sections import SnapshotSettings
+from ddptrain.settings import RunConfig, SnapshotSettings
 
 
 def test_ring_collectives_send_what_the_ring_algorithms_do():

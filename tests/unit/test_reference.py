@@ -5,8 +5,7 @@ import dataclasses
 import importlib.util
 
 from ddptrain.cli import build_parser
-from ddptrain.config import FIELDS, flag
-from ddptrain.sections import SECTIONS
+from ddptrain.settings import FIELDS, SECTIONS, flag
 from ddptrain.tasks.protocol import Task
 from helpers.commands import REPO
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from ddptrain.comm import CollectiveMarks
-from ddptrain.config import RunConfig
 from ddptrain.parallel.semi_sync import SemiSync
+from ddptrain.settings import RunConfig
 
 
 class Meeting:

@@ -203,7 +203,7 @@ def test_a_resume_keeps_the_sync_mode_and_its_settings():
                          (RunConfig(sync="diloco", sync_every=4), "replicas: 2 -> None")):
         with pytest.raises(SnapshotError, match=words):
             files.check_fingerprint(taken, other.math_fingerprint(2), Path("s"))
-    with pytest.raises(SnapshotError, match="sync: None -> 'diloco'"):  # an every-step snapshot, resumed by diloco
+    with pytest.raises(SnapshotError, match="sync: 'every-step' -> 'diloco'"):  # every-step, resumed by diloco
         files.check_fingerprint(RunConfig().math_fingerprint(2), taken, Path("s"))
     before_replicas = {k: v for k, v in taken.items() if k != "replicas"}  # (0.4's snapshots are not asked)
     files.check_fingerprint(before_replicas, RunConfig(sync="diloco", sync_every=4, replicas=4).math_fingerprint(2),

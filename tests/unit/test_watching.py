@@ -11,14 +11,14 @@ from torch.utils.data import Subset, TensorDataset
 
 from ddptrain import ConfigError, RunConfig
 from ddptrain.cli import main
-from ddptrain.config import OPTIMIZER_SETTINGS, nearest_flag, unset_settings
-from ddptrain.config_checks import validate
 from ddptrain.data import eval_subset
 from ddptrain.observe.report import config_json, console_line, curve_series, summarize
 from ddptrain.observe.step_records import StepWindow, add_rows, window_figures
 from ddptrain.observe.tracking import metrics_of, params_of
 from ddptrain.optim import build_schedule, describe_optimizer, lr_factor, run_steps
-from ddptrain.settings import from_options, read_settings_file
+from ddptrain.settings import OPTIMIZER_SETTINGS, unset_settings
+from ddptrain.settings.checks import validate
+from ddptrain.settings.parsing import from_options, nearest_flag, read_settings_file
 
 
 def _window(losses, norms, every=10):

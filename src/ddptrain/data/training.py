@@ -9,7 +9,7 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from ..comm import DistContext
-from ..sections import TrainingSettings
+from ..settings import TrainingSettings
 from .batches import TrainBatches
 from .sampling import StepSampler
 from .streams import StreamBatches, is_stream

@@ -26,13 +26,13 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from ..config import RunConfig
 from ..console import native_stderr_to
 from ..errors import ConfigError
 from ..observe.goodput import LAUNCHED_AT
 from ..resilience.failures import job_failure
 from ..resilience.stop_signals import restore_handlers
 from ..run_dir import RunDir
+from ..settings import RunConfig
 from ..tasks.protocol import TaskFactory
 from .environments import Environment, LocalEnvironment
 from .group import cuda_count, is_loopback, store_server

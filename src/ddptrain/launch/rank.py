@@ -28,7 +28,6 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 
 from .. import tasks
 from ..comm import DistContext, round_prefix
-from ..config import RunConfig
 from ..console import native_stderr_to, reclaim_console, say
 from ..data import is_stream
 from ..errors import ConfigError, PeerFailed, PeerStuck
@@ -39,6 +38,7 @@ from ..resilience.hold import RunDirHold, job_id
 from ..resilience.stop_signals import PREEMPTED_EXIT_CODE
 from ..resilience.watchdog import PERIOD_S, Watchdog
 from ..run_dir import RunDir
+from ..settings import RunConfig
 from ..tasks.protocol import Task, TaskFactory
 from ..trainer import Trainer
 from .environments import Environment, detect

@@ -12,9 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..config import BUILT
 from ..console import say
-from ..sections import ObservationSettings
+from ..settings import BUILT, ObservationSettings
 from .goodput import Timeline, goodput_figures
 from .tracking import Tracking
 

@@ -5,7 +5,7 @@ precision; DDP's comm hooks."""
 from __future__ import annotations
 
 from ..comm import DistContext
-from ..sections import ParallelSettings
+from ..settings import ParallelSettings
 from .base import Strategy
 
 

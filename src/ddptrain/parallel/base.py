@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ..comm import DistContext
 from ..errors import ConfigError
-from ..sections import ParallelSettings
+from ..settings import ParallelSettings
 from ..tasks.protocol import Task
 from .averaging import WeightAverage
 from .precision import autocast_dtype

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..comm import DistContext
 from ..console import say
-from ..sections import ParallelSettings
+from ..settings import ParallelSettings
 from ..tasks.protocol import Task
 from .base import Strategy, checkpoint_blocks, find_blocks, move_to, no_blocks_error, replica_groups
 from .precision import autocast_dtype

@@ -37,7 +37,7 @@ from torch.distributed.algorithms.model_averaging.utils import average_parameter
 
 from ..comm import CollectiveMarks, DistContext
 from ..errors import ConfigError
-from ..sections import ParallelSettings
+from ..settings import ParallelSettings
 from .base import replica_groups
 
 SYNC = "the replica groups' sync (--sync {kind})"

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from ..comm import DistContext
-from ..config import RunConfig
 from ..errors import ConfigError
 from ..parallel.base import replica_groups
+from ..settings import RunConfig
 from .estimate import HEADROOM, control_plane, goodput, snapshot_interval_s, snapshot_seconds, step_seconds
 from .hardware import Hardware
 from .rank import RankFigures, Target, plan_rank

@@ -27,7 +27,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from ..comm import DistContext
-from ..config import RunConfig
 from ..data import training_batches
 from ..data.batches import eval_batch_ranges, eval_shard
 from ..data.sampling import StepSampler
@@ -38,6 +37,7 @@ from ..optim import build_optimizer
 from ..parallel import make_strategy
 from ..parallel.base import Strategy, find_blocks
 from ..resilience.guard import NonFiniteGuard
+from ..settings import RunConfig
 from ..snapshots.rng import capture_rng
 from ..step import OptimizerStep
 from ..tasks.protocol import Task

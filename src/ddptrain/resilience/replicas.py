@@ -53,7 +53,7 @@ from torch.distributed import ReduceOp
 
 from ..comm import DistContext, broadcast_object
 from ..errors import ConfigError, LighthouseLost
-from ..sections import ResilienceSettings
+from ..settings import ResilienceSettings
 from .lighthouse import LIGHTHOUSE_CHECK_S, LighthouseWatch, lighthouse_address, quiet_torchft, read_dashboard
 from .siblings import SiblingWatch
 

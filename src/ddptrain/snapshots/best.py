@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..sections import EvaluationSettings, watched_metric
+from ..settings import EvaluationSettings, watched_metric
 from ..tasks.protocol import Task
 
 BEST = "best"  # the folder in the run dir

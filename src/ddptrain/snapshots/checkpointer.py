@@ -24,7 +24,7 @@ from ..comm import CollectiveMarks, DistContext
 from ..console import say
 from ..progress import best_interval_s
 from ..run_dir import RunDir
-from ..sections import SnapshotSettings
+from ..settings import SnapshotSettings
 from . import dcp as snapshot_dcp
 from . import files, rng
 from .restore import Snapshot

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from ..config import KEPT_ON_RESUME, MATH_OMITTED_AT
 from ..errors import DiskFull, SnapshotError
 from ..exits import finish_before_exit
 from ..run_dir import SNAPSHOT_NAME, snapshot_name, snapshot_number
+from ..settings.fingerprint import fingerprint_changes
 
 FORMAT_VERSION = 2
 # After a failure, how long rank 0 lets the snapshot write in flight finish before its process ends:
@@ -333,14 +333,9 @@ def check_model_matches(current: dict[str, tuple[int, ...]], saved: dict[str, tu
 
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
-    """Settings that change the math must match, or the resume would not be exact; so must the
-    average's and the best model's (a snapshot from before they were kept is not asked about them)."""
-    changed = [f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in current
-               if (k in saved or k not in KEPT_ON_RESUME) and saved.get(k) != current[k]]
-    if "sync" in saved and "sync" not in current:  # (every-step, the default, is left out of fingerprints)
-        changed.append(f"sync: {saved['sync']!r} -> 'every-step'")
-    changed += [f"{name}: {saved[name]!r} -> {default!r}" for name, default in MATH_OMITTED_AT.items()
-                if name in saved and name not in current]  # (left out of a fingerprint at their defaults)
+    """Settings that change the math must match, or the resume would not be exact (each setting's
+    role says whether it does: settings/roles.py)."""
+    changed = fingerprint_changes(saved, current)
     if changed:
         raise SnapshotError(f"snapshot {path} was taken with other settings ({'; '.join(changed)}); "
                             "use the original flags, or --resume never / another --run-dir")

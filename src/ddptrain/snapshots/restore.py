@@ -27,11 +27,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from ..comm import CollectiveMarks, DistContext, broadcast_object
-from ..config import RunConfig
 from ..console import say
 from ..errors import ConfigError
 from ..run_dir import TIMELINE, RunDir, StoreRunDir
-from ..sections import SnapshotSettings
+from ..settings import RunConfig, SnapshotSettings
 from . import dcp as snapshot_dcp
 from . import files
 from .uploads import mirror_is_ahead, sync_up

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..config import RunConfig
 from ..errors import ConfigError
+from ..settings import RunConfig
 from .digits import digits_task, load_digits, stratified_split
 from .protocol import Task, TaskFactory, check_task
 from .regression import regression_data, regression_task

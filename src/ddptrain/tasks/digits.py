@@ -15,7 +15,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from ..config import RunConfig
+from ..settings import RunConfig
 from .protocol import Task
 
 TEST_FRACTION = 0.2

@@ -1,5 +1,5 @@
 """Where settings come from: flags, a settings file (``--config FILE.toml`` or a run's own
-``config.json``) and ``ddptrain.fit(**options)`` all become a ``RunConfig`` (config.py) here,
+``config.json``) and ``ddptrain.fit(**options)`` all become a ``RunConfig`` (run_config.py) here,
 each value converted to its field's type by ``coerce``, so every way of giving a setting
 accepts and refuses the same values, with the same one-line errors.
 """
@@ -16,9 +16,9 @@ from typing import Any
 
 import tomllib
 
-from .config import BUILT, FIELDS, SECTION_OF, RunConfig, nearest_flag
-from .errors import ConfigError
-from .sections import SECTIONS
+from ..errors import ConfigError
+from .run_config import BUILT, RunConfig
+from .sections import FIELDS, SECTION_OF, SECTIONS, flag
 
 _SECTION_CLASSES = {kind.SECTION: kind for kind in SECTIONS}
 
@@ -127,3 +127,31 @@ def _flattened(settings: dict[str, Any], where: str) -> dict[str, Any]:
                 raise ConfigError(f"{where}: {name} is given twice, at the top and in [{key}]; keep one")
             flat[name] = inner  # (a name no section has: from_options names it, with its nearest)
     return flat
+
+
+# Other trainers' names for our settings (nanoGPT's config keys, Lightning's and HF Trainer's
+# arguments): an unknown flag spelled as there is answered with ours.
+NAMES_ELSEWHERE = {
+    "log_interval": "log_every", "logging_steps": "log_every", "log_every_n_steps": "log_every",
+    "log_freq": "log_every", "eval_iters": "eval_batches", "limit_val_batches": "eval_batches",
+    "eval_interval": "eval_every_steps", "eval_steps": "eval_every_steps", "val_check_interval": "eval_every_steps",
+    "max_iters": "max_steps", "num_train_epochs": "max_epochs", "learning_rate": "lr",
+    "warmup_iters": "warmup_steps", "lr_decay_iters": "max_steps", "decay_lr": "lr_schedule",
+    "beta1": "betas", "beta2": "betas", "adam_beta1": "betas", "adam_beta2": "betas", "adam_epsilon": "eps",
+    "grad_clip": "clip_grad", "max_grad_norm": "clip_grad", "gradient_clip_val": "clip_grad",
+    "gradient_accumulation_steps": "grad_accum", "accumulate_grad_batches": "grad_accum",
+    "per_device_train_batch_size": "batch_size", "out_dir": "run_dir", "output_dir": "run_dir",
+    "dtype": "precision", "save_steps": "save_every", "lr_scheduler_type": "lr_schedule",
+}
+
+
+def nearest_flag(name: str) -> str | None:
+    """The flag a mistyped or borrowed setting name most likely meant (``--log_interval`` ->
+    ``--log-every``), or None when none is close."""
+    import difflib
+
+    key = name.strip().lstrip("-").replace("-", "_")
+    if key in NAMES_ELSEWHERE:
+        return flag(NAMES_ELSEWHERE[key])
+    close = difflib.get_close_matches(key, list(FIELDS), n=1, cutoff=0.6)
+    return flag(close[0]) if close else None

@@ -9,8 +9,9 @@ import importlib.util
 import math
 from pathlib import Path
 
-from .config import TRACKERS, RunConfig, flag, watched_metric
-from .errors import ConfigError
+from ..errors import ConfigError
+from .run_config import RunConfig
+from .sections import TRACKERS, flag, watched_metric
 
 
 def parse_nproc(value: str) -> int | None:
