@@ -25,7 +25,7 @@ from .parallel.averaging import WeightAverage
 from .parallel.base import Strategy, leaves_no_trace
 from .resilience.guard import NonFiniteGuard
 from .resilience.replicas import ReplicaGroups
-from .tasks.protocol import Task, check_pair, split_loss
+from .tasks.protocol import Task, check_pair, split_figures, split_loss
 
 GRADIENT_SYNC = "the gradient all-reduce"
 FORWARD_SYNC = "the forward pass's collective (FSDP's parameter all-gather)"
@@ -67,6 +67,7 @@ class OptimizerStep:
     guard: NonFiniteGuard
     replicas: ReplicaGroups | None
     clip_grad: float | None
+    figures: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # the last step's task figures
     loss_checked: bool = False  # the first loss's type and shape are checked once
     gradients_checked: bool = False  # the strategy checks the first step's gradients (DDP: unused parameters)
 
@@ -128,6 +129,7 @@ class OptimizerStep:
         only. Returns this rank's weighted loss over the step, and the count the loss sums are
         over when step_fn returned ``(sum, count)`` (else None)."""
         total, count = None, None
+        self.figures, real = {}, sum(1 for _, micro in group if micro.samples)
         for i, (batch, micro) in enumerate(group):
             last = i == len(group) - 1
             # One gradient sync per step: DDP decides in the forward whether the backward reduces,
@@ -138,7 +140,9 @@ class OptimizerStep:
                 with kept, self.strategy.autocast():
                     if self.strategy.forward_syncs:
                         self.watchdog.arrive(FORWARD_SYNC, step)
-                    loss, units = self._loss(batch, step)
+                    loss, units, figures = self._loss(batch, step)
+                    if figures and micro.samples:  # (a stand-in micro-batch's are not this rank's)
+                        self._add_figures(figures, real)
                     if units is None:  # a mean over the micro-batch's samples
                         loss = loss if micro.weight == 1.0 else loss * micro.weight
                     else:  # a sum over `units` (tokens, say): divided once the step's count is known
@@ -174,9 +178,23 @@ class OptimizerStep:
             if param.grad is not None:
                 param.grad.mul_(factor)
 
-    def _loss(self, batch: Any, step: int) -> tuple[torch.Tensor, Any]:
+    def _add_figures(self, figures: dict[str, Any], micro_batches: int) -> None:
+        """A micro-batch's task figures into the step's (this rank's): the mean over the step's
+        ``micro_batches`` that have samples, their sum or their largest, as Task.step_figures
+        declares; on the device (no host sync)."""
+        for name, value in figures.items():
+            value = torch.as_tensor(value).detach().to(device=self.ctx.device, dtype=torch.float64).reshape(())
+            combine, held = self.task.step_figures[name], self.figures.get(name)
+            if combine == "mean":
+                value = value / micro_batches
+            if held is not None:
+                value = torch.maximum(held, value) if combine == "max" else held + value
+            self.figures[name] = value
+
+    def _loss(self, batch: Any, step: int) -> tuple[torch.Tensor, Any, dict[str, Any]]:
         """The task's loss of one batch, ``step_fn(model, batch)`` or ``loss_fn(model(inputs),
-        target)``, and the count it is a sum over when step_fn returned ``(sum, count)``."""
+        target)``, the count it is a sum over when step_fn returned ``(sum, count)``, and the
+        figures step_fn returned beside it (Task.step_figures)."""
         if not self.loss_checked and self.task.step_fn is None:
             check_pair(batch)
         try:
@@ -190,10 +208,11 @@ class OptimizerStep:
             if clearer is None:
                 raise
             raise clearer from None
+        value, figures = split_figures(value, self.task.step_figures, check=not self.loss_checked)
         loss, count = split_loss(value, "step_fn" if self.task.step_fn is not None else "loss_fn",
                                  check=not self.loss_checked)
         self.loss_checked = True
-        return loss, count
+        return loss, count, figures
 
     def gradients(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]

@@ -120,7 +120,7 @@ class EpochTally:
         finite, and (at epoch ends) every rank's timings, memory and FLOPs per step, a row per rank. Raises
         NonFiniteError, before anything is saved or evaluated, when a loss or a weight is not finite."""
         self.records.finish()  # (the step records launched: theirs first)
-        waiting = self.records.rows()  # closed windows' rows: their records' sums come with this reduction
+        waiting = self.records.parts()  # closed windows' parts: their records' sums come with this reduction
         world, rank, device = self.ctx.world_size, self.ctx.rank, self.ctx.device
         first_bad_step = torch.zeros(world, dtype=torch.float64, device=device)
         figures = torch.zeros(world, 6, dtype=torch.float64, device=device)
@@ -136,7 +136,7 @@ class EpochTally:
             "loss_steps": torch.tensor(self.losses.local_steps() if self.ctx.is_main else 0),
             "bad_weights": ~local_all_finite(self.params),  # ranks whose weights are not finite
             "first_bad_step": first_bad_step, "figures": figures, "grad_squares": self.grad_norms.local_squares(),
-            "window": self.records.window.local_rows(), **({"records": waiting} if waiting is not None else {}),
+            "window": self.records.window.local_part(), **({"records": waiting} if waiting is not None else {}),
         }, self.ctx.watchdog, "summing the loss over the ranks", self.progress.global_step)
         self.records.window.fold(reduced["window"])  # (a snapshot holds the open window's figures so far)
         if waiting is not None:

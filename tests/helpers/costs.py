@@ -47,14 +47,15 @@ def collectives_per_step(run_dir: Path, rank: int = 0) -> list[collections.Count
 STOP_AGREEMENT = "all_reduce[3]"  # resilience/stop_signals.py: 3 numbers, about twice a second
 
 
-def pop_step_records(steps: list[collections.Counter], every: int) -> int:
+def pop_step_records(steps: list[collections.Counter], every: int, figures: int = 0) -> int:
     """Take the step records' all-reduces (--log-every ``every``: each closed window's 3·every
-    numbers, and the FLOPs per step) out of each step's collectives, asserting that they ran only
-    where the stop agreement ran (observe/step_records.py); returns how many there were."""
+    numbers and ``figures`` numbers of the task's own figures, and the FLOPs per step) out of each
+    step's collectives, asserting that they ran only where the stop agreement ran
+    (observe/step_records.py); returns how many there were."""
     found = 0
     for step in steps:
         sizes = [key for key in step if key.startswith("all_reduce[")
-                 and (int(key[len("all_reduce["):-1]) - 1) % (3 * every) == 0 and key != STOP_AGREEMENT
+                 and (int(key[len("all_reduce["):-1]) - 1) % (3 * every + figures) == 0 and key != STOP_AGREEMENT
                  and int(key[len("all_reduce["):-1]) > 1]
         records = sum(step.pop(size) for size in sizes)
         assert not records or STOP_AGREEMENT in step, f"a step record's all-reduce away from the stop agreement: {step}"

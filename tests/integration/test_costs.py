@@ -23,8 +23,9 @@ ddptrain's extras (README "What a step costs"): an iterable training set adds on
 of 1 number (the step's sample count, overlapped with the backward); ``--skip-nonfinite`` one
 all-reduce of 1 number (every rank's verdict); the step records (``--log-every N``) one
 asynchronous all-reduce of 3N numbers a closed window (each step's loss, gradient norm and
-whether it was skipped) and the FLOPs per step, only beside the stop agreement (about twice a
-second) or inside an epoch's or a snapshot's reduction.
+whether it was skipped), a task's own step figures (Task.step_figures: 2 numbers each, a max's
+1 + 1 per rank) and the FLOPs per step, only beside the stop agreement (about twice a second) or
+inside an epoch's or a snapshot's reduction.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def _fsdp(micro_batches: int) -> dict[str, int]:
 
 CASES = {  # id: (fit's options, the collectives of one step)
     "ddp": ({}, GRADIENTS_DDP),
+    "ddp-accum2-task-figures": ({"task": "figure_tasks:regression_figures", "grad_accum": 2}, GRADIENTS_DDP),
     "ddp-accum4": ({"grad_accum": 4}, GRADIENTS_DDP),
     "ddp-accum4-skip-nonfinite": ({"grad_accum": 4, "skip_nonfinite": 3}, {**GRADIENTS_DDP, "all_reduce[1]": 1}),
     "ddp-stream-accum3": ({"task": TASKS + "stream", "grad_accum": 3}, {**GRADIENTS_DDP, "all_reduce[1]": 1}),
@@ -66,10 +68,12 @@ CASES = {  # id: (fit's options, the collectives of one step)
 def test_a_step_starts_the_collectives_a_hand_written_loop_does_and_no_more(tmp_path, case):
     options, per_step = CASES[case]
     options = {"task": "regression", "batch_size": 8, "max_steps": 9, "profile": 7, "log_every": 5, **options}
-    fit(options.pop("task"), tmp_path, env={"STREAM_SAMPLES": "4000"}, **options)
+    task = options.pop("task")
+    fit(task, tmp_path, env={"STREAM_SAMPLES": "4000"}, **options)
     steady = collectives_per_step(tmp_path)[2:]  # steps 4 to 8
     assert len(steady) == 5
-    pop_step_records(steady, every=5)  # (beside the stop agreement only: none of a step's own)
+    figures = 2 + 3 + 2 if "figures" in task else 0  # mean, max (1 + 2 ranks), sum: figure_tasks.FIGURES
+    pop_step_records(steady, every=5, figures=figures)  # (beside the stop agreement only: none of a step's own)
     stops = sum(step.pop(STOP_AGREEMENT, 0) for step in steady)
     # The agreement is spaced by the steps' measured speed (CHECK_SECONDS of steps, measured over
     # the interval before): once in 5 steps at this job's milliseconds a step; on a machine so

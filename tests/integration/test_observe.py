@@ -279,8 +279,8 @@ def _tally_an_epoch(rank, world):
     params = list(model.parameters())
     progress = Progress(steps_per_epoch=4)
     optimizer, clock = torch.optim.SGD(params, lr=0.5), TrainingClock()
-    records = StepRecords(StepWindow(ctx.device, 0), ctx, progress, clock, FlopCount(), optimizer, None, None,
-                          write=lambda record: None)
+    records = StepRecords(StepWindow(ctx.device, 0), ctx, progress, clock, FlopCount(), optimizer,
+                          tokens_per_sample=None, peak_tflops=None, write=lambda record: None)
     tally = EpochTally(
         ctx=ctx, progress=progress, losses=EpochLosses(ctx.device, 4, carries=rank == 0),
         grad_norms=GradNorms(ctx.device, 4, counts=True, carries=rank == 0), timings=RankTimings(params),

@@ -13,7 +13,8 @@ from ddptrain import ConfigError, RunConfig
 from ddptrain.cli import main
 from ddptrain.data import eval_subset
 from ddptrain.observe.report import config_json, console_line, curve_series, summarize
-from ddptrain.observe.step_records import StepWindow, add_rows, window_figures
+from ddptrain.observe.step_figures import TaskFigure
+from ddptrain.observe.step_records import StepWindow
 from ddptrain.observe.tracking import metrics_of, params_of
 from ddptrain.optim import build_schedule, describe_optimizer, lr_factor, run_steps
 from ddptrain.settings import OPTIMIZER_SETTINGS, unset_settings
@@ -29,9 +30,9 @@ def _window(losses, norms, every=10):
 
 
 def _record(window, *others):
-    """The record of ``window``'s steps, its rows summed with ``others``' (the ranks' all-reduce)."""
-    rows, carried, _, _ = window.take()
-    return window_figures(add_rows(carried, sum((other.take()[0] for other in others), rows)))
+    """The record of ``window``'s steps, its part summed with ``others``' (the ranks' all-reduce)."""
+    part, carried, _, _ = window.take()
+    return window.with_part(carried, sum((other.take()[0] for other in others), part)).record(window.figures)
 
 
 def test_the_step_window_is_the_mean_over_its_steps_of_the_ranks_summed_parts():
@@ -39,7 +40,8 @@ def test_the_step_window_is_the_mean_over_its_steps_of_the_ranks_summed_parts():
     rank0, rank1 = _window([0.5, 1.0, None], [3.0, 4.0, math.inf]), _window([0.5, 2.0, None], [0.0, 0.0, 0.0])
     figures = _record(rank0, rank1)
     assert figures == {"train_loss": pytest.approx((1.0 + 3.0) / 2), "grad_norm": pytest.approx(3.5)}  # skipped: out
-    assert rank0.count == 0 and rank0.state_dict()["window_loss_steps"] == 0  # a new window
+    assert rank0.count == 0 and rank0.state_dict() == {"window_loss_total": 0.0, "window_loss_steps": 0,  # a new
+                                                       "window_grad_norm_total": 0.0, "window_grad_norm_steps": 0}
     # a non-finite loss that was not skipped shows in the record (the guard stops the run at its next check)
     assert math.isnan(_record(_window([1.0, math.nan], [1.0, 1.0]))["train_loss"])
 
@@ -47,12 +49,70 @@ def test_the_step_window_is_the_mean_over_its_steps_of_the_ranks_summed_parts():
 def test_a_window_folded_for_a_snapshot_carries_its_figures_into_the_resumed_record():
     expected = _record(_window([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 2.0, 2.0]))
     before = _window([1.0, 2.0], [1.0, 1.0])
-    before.fold(before.local_rows())  # the snapshot's reduction
+    before.fold(before.local_part())  # the snapshot's reduction
     resumed = StepWindow(torch.device("cpu"), 10)
     resumed.load_state_dict(before.state_dict())
     for loss, norm in ((3.0, 2.0), (4.0, 2.0)):
         resumed.add(torch.tensor(loss), torch.tensor(norm, dtype=torch.float64))
     assert _record(resumed) == pytest.approx(expected)
+
+
+FIGURES = (TaskFigure("aux", "mean"), TaskFigure("peak", "max"), TaskFigure("tokens", "sum"))
+
+
+def _figures_window(rank, steps, every=10):
+    """A window of rank ``rank`` of 3, each step's task figures given (a figure left out: none that step)."""
+    window = StepWindow(torch.device("cpu"), every, FIGURES, rank=rank, world_size=3)
+    for figures in steps:
+        window.add(torch.tensor(1.0), torch.tensor(1.0, dtype=torch.float64),
+                   {k: torch.tensor(float(v), dtype=torch.float64) for k, v in figures.items()})
+    return window
+
+
+def test_a_tasks_figures_combine_over_ranks_and_steps_as_declared():
+    ranks = [_figures_window(0, [{"aux": 1, "peak": -5, "tokens": 10}, {"aux": 3, "peak": -7, "tokens": 10}]),
+             _figures_window(1, [{"aux": 2, "peak": -2, "tokens": 4}, {"tokens": 4}]),  # no aux, peak at step 2
+             _figures_window(2, [{}, {}])]  # none at all: no value, and its -inf never wins
+    figures = _record(*ranks)
+    assert figures["aux"] == pytest.approx((1 + 3 + 2) / 3) and figures["tokens"] == 28
+    assert (figures["peak"], figures["peak_rank"]) == (-2, 1)
+    assert "aux" not in _record(_figures_window(0, [{}]), _figures_window(1, [{}]), _figures_window(2, [{}]))
+
+
+def test_a_snapshot_inside_a_window_carries_the_tasks_figures():
+    steps = [[{"aux": 1, "peak": 4, "tokens": 1}, {"aux": 5, "peak": 9, "tokens": 2}],
+             [{"aux": 2, "peak": 1, "tokens": 3}, {"aux": 2, "peak": 3, "tokens": 4}], [{}, {}]]
+    expected = _record(*[_figures_window(r, s) for r, s in enumerate(steps)])
+    before = [_figures_window(r, s[:1]) for r, s in enumerate(steps)]
+    summed = sum(window.local_part() for window in before)
+    resumed = []
+    for rank, window in enumerate(before):
+        window.fold(summed)
+        again = StepWindow(torch.device("cpu"), 10, FIGURES, rank=rank, world_size=3)
+        again.load_state_dict(window.state_dict())
+        resumed.append(again)
+    for rank, s in enumerate(steps):
+        resumed[rank].add(torch.tensor(1.0), torch.tensor(1.0, dtype=torch.float64),
+                          {k: torch.tensor(float(v), dtype=torch.float64) for k, v in s[1].items()})
+    assert _record(*resumed) == pytest.approx(expected)
+    assert (expected["peak"], expected["peak_rank"], expected["tokens"]) == (9, 0, 10)
+
+
+def test_a_tasks_figures_are_declared_and_returned_or_refused_in_one_line():
+    from ddptrain.tasks.protocol import check_step_figures, split_figures
+
+    loss = torch.tensor(1.0, requires_grad=True)
+    assert split_figures({"loss": loss, "aux": 2.0}, {"aux": "mean"}, check=True) == (loss, {"aux": 2.0})
+    assert split_figures({"loss": loss, "count": 3}, {}, check=True) == ((loss, 3), {})
+    assert split_figures(loss, {}) == (loss, {})
+    for value, match in (({"aux": 1.0}, "without 'loss'"), ({"loss": loss, "other": 1.0}, "does not declare"),
+                         ({"loss": loss, "aux": torch.ones(3)}, "one-element")):
+        with pytest.raises(ConfigError, match=match):
+            split_figures(value, {"aux": "mean"}, check=True)
+    for declared, match in (({"aux": "median"}, "choose how"), ({"train_loss": "mean"}, "none of the record"),
+                            ({"x_rank": "max"}, "_rank"), (["aux"], "give a dict")):
+        with pytest.raises(ConfigError, match=match):
+            check_step_figures(declared, "t")
 
 
 def test_log_every_defaults_to_ten_or_four_records_in_a_short_run():

@@ -55,10 +55,12 @@ TRACKER_WAIT_S = 10.0
 class Reporter:
     """Rank 0's reporting: console lines, progress bar, metrics.jsonl, the trackers, the summary."""
 
-    def __init__(self, observe: ObservationSettings, run_dir: Path, uploads: Any = None) -> None:
+    def __init__(self, observe: ObservationSettings, run_dir: Path, uploads: Any = None,
+                 step_figures: tuple[str, ...] = ()) -> None:
         """``uploads``: a run dir on a store (``run_dir`` its local mirror): its uploads.Uploader,
-        which takes the run's files up too."""
+        which takes the run's files up too. ``step_figures``: the task's own, shown in step lines."""
         self.settings, self.run_dir, self.uploads = observe, Path(run_dir), uploads
+        self.step_figures = step_figures
         self.bar: Any = None
         self.tracking: Tracking | None = None
         self.timeline = Timeline(self.run_dir)  # goodput.py: begun by rank 0's begin() alone
@@ -141,7 +143,7 @@ class Reporter:
         no progress bar shows the loss."""
         self._record(record)
         if self.bar is None:
-            self.info(console_line(record))
+            self.info(console_line(record, self.step_figures))
         else:
             self.bar.set_postfix(loss=f"{record['train_loss']:.4g}", refresh=False)
 
@@ -242,14 +244,16 @@ class NullReporter(Reporter):
 EVALUATED = ("eval_", "ema_eval_")  # an evaluation's figures: of the weights, and of --ema's average
 
 
-def console_line(record: dict[str, Any]) -> str:
+def console_line(record: dict[str, Any], figures: tuple[str, ...] = ()) -> str:
     """``epoch 3 | step 128 | train_loss 1.962 | lr 0.001 | 13,930 samples/s | 0.15 s``; a step
-    record's (--log-every) leads with its step: ``step 130 | epoch 4 | train_loss 1.95 | ...``."""
+    record's (--log-every) leads with its step: ``step 130 | epoch 4 | train_loss 1.95 | ...``,
+    with the task's own ``figures`` after the gradient norm."""
     first = "before training" if record.get("kind") == "eval" and not record["step"] else f"epoch {record['epoch']}"
     if record.get("partial"):
         first += f" (partial: {record.get('ended_by', '--max-steps')})"
     parts = [f"step {record['step']}", first] if record.get("kind") == "step" else [first, f"step {record['step']}"]
-    shown = ("train_loss", "lr", "grad_norm") if record.get("kind") == "step" else ("train_loss", "lr")
+    shown = ("train_loss", "lr", "grad_norm", *figures, *(f"{name}_rank" for name in figures)) \
+        if record.get("kind") == "step" else ("train_loss", "lr")
     for key, value in record.items():
         if key in shown or (key.startswith(EVALUATED) and not key.endswith("eval_samples")):
             parts.append(f"{key} {_fmt(value)}")

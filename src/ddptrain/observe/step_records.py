@@ -11,13 +11,13 @@ stop agreement's steps (resilience/stop_signals.py: every rank at the same steps
 second), read at the next step, or with the epoch's or a snapshot's own reduction, whichever
 comes first: a record is written within about half a second of its step, at the same steps on
 every run. A snapshot holds the open window's figures so far (``StepWindow.fold``), so a run
-resumed inside a window writes the record the uninterrupted run writes.
+resumed inside a window writes the record the uninterrupted run writes. What a record's figures
+are, and how ranks and steps combine them, step_figures.py declares (a task's own among them).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,32 +27,34 @@ import torch.distributed as dist
 
 from ..comm import DistContext
 from ..progress import Progress
+from .step_figures import PER_STEP, TaskFigure, WindowFigures
 from .throughput import FlopCount, TrainingClock, throughput_record
-
-Figures = tuple[float, int, float, int]  # (loss sum, its steps, gradient norm sum, its steps), over every rank
 
 
 class StepWindow:
     """The steps since the last step record (--log-every N): each step's loss (this rank's part)
-    and gradient norm (GradNorms', this rank's), kept on the device, and the samples and steps this
-    process trained in it. A step record ``take``s them (their sum over the ranks is the record's);
-    a snapshot's reduction ``fold``s them into the window's figures so far, which the snapshot
-    holds, so that a run resumed inside a window writes the record the uninterrupted run writes."""
+    and gradient norm (GradNorms', this rank's), kept on the device, the task's figures' running
+    values, and the samples and steps this process trained in it. A step record ``take``s them
+    (their sum over the ranks is the record's); a snapshot's reduction ``fold``s them into the
+    window's figures so far, which the snapshot holds, so that a run resumed inside a window
+    writes the record the uninterrupted run writes."""
 
-    def __init__(self, device: torch.device, every: int) -> None:
-        self.device, self.every = device, every
-        # a row a step: (loss part, gradient norm, 1 where the step has a loss: not skipped as non-finite)
-        self.slots = torch.zeros(max(1, every), 3, dtype=torch.float64, device=device)
+    def __init__(self, device: torch.device, every: int, figures: tuple[TaskFigure, ...] = (), rank: int = 0,
+                 world_size: int = 1) -> None:
+        self.device, self.every, self.figures, self.rank, self.world_size = device, every, figures, rank, world_size
+        self.slots = torch.zeros(max(1, every), len(PER_STEP), dtype=torch.float64, device=device)  # a row a step
         self.reset()
 
-    def reset(self, carried: Figures = (0.0, 0, 0.0, 0)) -> None:
-        """``carried``: (loss sum, its steps, gradient norm sum, its steps) over every rank, for the
-        window's steps before a snapshot."""
-        self.count, self.carried = 0, carried
+    def reset(self, carried: WindowFigures | None = None) -> None:
+        """``carried``: the window's figures over every rank for its steps before a snapshot."""
+        self.count, self.carried = 0, carried or WindowFigures()
+        self.running = {figure.name: figure.start(self.device) for figure in self.figures}
         self.samples = self.steps = 0  # trained by this process in the window (a resumed one: since the resume)
 
-    def add(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> None:
-        """A step's loss part (None: a skipped step, which has none) and this rank's gradient norm."""
+    def add(self, loss: torch.Tensor | None, grad_norm: torch.Tensor,
+            figures: dict[str, torch.Tensor] | None = None) -> None:
+        """A step's loss part (None: a skipped step, which has none), this rank's gradient norm, and
+        this rank's values of the task's figures (those it had)."""
         if self.every == 0:  # --log-every 0: no step records
             return
         if self.count == len(self.slots):  # (a logging step missed: a torchft group healed in it)
@@ -63,6 +65,9 @@ class StepWindow:
             row[2] = 1.0
         row[1] = grad_norm
         self.count += 1
+        for figure in self.figures:
+            if figures and figure.name in figures:
+                figure.add(self.running[figure.name], figures[figure.name])
 
     def trained(self, samples: int) -> None:
         """A step of ``samples`` (over every rank) trained by this process."""
@@ -71,66 +76,52 @@ class StepWindow:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def local_rows(self) -> torch.Tensor:
-        """The window's steps since the last fold: (loss part, gradient norm squared, has a loss)."""
+    def local_part(self) -> torch.Tensor:
+        """The window since the last fold, for a sum over the ranks: its steps' rows (loss part,
+        gradient norm squared, has a loss), then the task figures' columns."""
         rows = self.slots[:self.count].clone()
         rows[:, 1] = rows[:, 1].square()
-        return rows
+        tail = [figure.local(self.running[figure.name], self.rank, self.world_size) for figure in self.figures]
+        return torch.cat([rows.reshape(-1), *tail])
+
+    def with_part(self, carried: WindowFigures, summed: torch.Tensor) -> WindowFigures:
+        """``carried`` with ``summed`` (a ``local_part()`` summed over the ranks) added."""
+        steps = (len(summed) - sum(f.width(self.world_size) for f in self.figures)) // len(PER_STEP)
+        rows = summed[:steps * len(PER_STEP)].reshape(steps, len(PER_STEP))
+        return carried.plus(rows, summed[steps * len(PER_STEP):], self.figures, self.world_size)
 
     def fold(self, summed: torch.Tensor) -> None:
-        """``summed``: ``local_rows()`` summed over the ranks, added to the window's figures so far
+        """``summed``: ``local_part()`` summed over the ranks, added to the window's figures so far
         (kept for the next snapshot and the record); the slots are free again."""
-        self.carried = add_rows(self.carried, summed)
+        self.carried = self.with_part(self.carried, summed)
         self.count = 0
         self.slots.zero_()
+        self.running = {figure.name: figure.start(self.device) for figure in self.figures}
 
-    def take(self) -> tuple[torch.Tensor, Figures, int, int]:
-        """The window for its record: (its rows since the last fold, its figures so far, the samples
+    def take(self) -> tuple[torch.Tensor, WindowFigures, int, int]:
+        """The window for its record: (its part since the last fold, its figures so far, the samples
         and steps this process trained in it); a new window begins."""
-        taken = (self.local_rows(), self.carried, self.samples, self.steps)
+        taken = (self.local_part(), self.carried, self.samples, self.steps)
         self.slots.zero_()
         self.reset()
         return taken
 
     # In a snapshot: the window's figures so far over every rank (folded just before saving).
     def state_dict(self) -> dict[str, Any]:
-        total, steps, norm_total, norm_steps = self.carried
-        return {"window_loss_total": total, "window_loss_steps": steps,
-                "window_grad_norm_total": norm_total, "window_grad_norm_steps": norm_steps}
+        return self.carried.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.reset((state.get("window_loss_total", 0.0), state.get("window_loss_steps", 0),
-                    state.get("window_grad_norm_total", 0.0), state.get("window_grad_norm_steps", 0)))
-
-
-def add_rows(carried: Figures, summed: torch.Tensor) -> Figures:
-    """A window's figures so far (loss sum, its steps, gradient norm sum, its steps) with the steps of
-    ``summed`` (StepWindow rows summed over the ranks) added: a loss that is not finite included
-    (the record shows it), a skipped step's left out."""
-    counted = summed[:, 2] > 0
-    losses, norms = summed[counted, 0], summed[counted, 1].sqrt()
-    norms = norms[torch.isfinite(norms)]
-    total, steps, norm_total, norm_steps = carried
-    return (total + float(losses.sum()), steps + len(losses), norm_total + float(norms.sum()), norm_steps + len(norms))
-
-
-def window_figures(carried: Figures) -> dict[str, float]:
-    """A step record's mean training loss and gradient norm over its window's steps (those that had one)."""
-    total, steps, norm_total, norm_steps = carried
-    figures = {"train_loss": total / steps if steps else math.nan}
-    if norm_steps and norm_total > 0:  # (a strategy that does not measure them: none)
-        figures["grad_norm"] = norm_total / norm_steps
-    return figures
+        self.reset(WindowFigures.from_state(state))
 
 
 @dataclasses.dataclass
 class ClosedWindow:
-    """A window whose N steps are done, its record waiting for the sum over the ranks: its rows
-    (this rank's), its figures before them (a snapshot's fold), where it ended (epoch, step, rate,
+    """A window whose N steps are done, its record waiting for the sum over the ranks: its part
+    (this rank's), its figures before it (a snapshot's fold), where it ended (epoch, step, rate,
     time) and this process's training in it (samples, steps, seconds)."""
 
-    rows: torch.Tensor
-    carried: Figures
+    part: torch.Tensor
+    carried: WindowFigures
     place: dict[str, Any]
     samples: int
     steps: int
@@ -140,11 +131,11 @@ class ClosedWindow:
 class StepRecords:
     """The run's step records: ``step_done`` after every step (a window closes every N), ``launch``
     at the stop agreement's steps, ``finish`` at the next step, ``flush`` where a run stops
-    between; ``rows``/``write_summed`` let another reduction carry the closed windows. Every rank
+    between; ``parts``/``write_summed`` let another reduction carry the closed windows. Every rank
     calls them at the same steps; ``write`` (rank 0's reporter) takes each record."""
 
     def __init__(self, window: StepWindow, ctx: DistContext, progress: Progress, clock: TrainingClock,
-                 flops: FlopCount, optimizer: torch.optim.Optimizer, tokens_per_sample: int | None,
+                 flops: FlopCount, optimizer: torch.optim.Optimizer, *, tokens_per_sample: int | None,
                  peak_tflops: float | None, write: Callable[[dict[str, Any]], None]) -> None:
         self.window, self.ctx, self.progress, self.clock, self.flops = window, ctx, progress, clock, flops
         self.optimizer, self.tokens_per_sample, self.peak_tflops, self.write = (optimizer, tokens_per_sample,
@@ -157,18 +148,20 @@ class StepRecords:
         """Training (re)starts here: the open window's time counts from now."""
         self.began = self.clock.now()
 
-    def step_done(self, loss: torch.Tensor | None, grad_norm: torch.Tensor, samples: int) -> None:
-        """A step's loss part (None: skipped as not finite), this rank's gradient norm and the step's
-        samples over every rank; at every N-th step the window closes (no collective)."""
-        self.window.add(loss, grad_norm)
+    def step_done(self, loss: torch.Tensor | None, grad_norm: torch.Tensor, samples: int,
+                  figures: dict[str, torch.Tensor] | None = None) -> None:
+        """A step's loss part (None: skipped as not finite), this rank's gradient norm, the step's
+        samples over every rank and this rank's task figures; at every N-th step the window closes
+        (no collective)."""
+        self.window.add(loss, grad_norm, figures)
         self.window.trained(samples)
         if not self.window.due(self.progress.global_step):
             return
         now = self.clock.now()
-        rows, carried, samples, steps = self.window.take()
+        part, carried, samples, steps = self.window.take()
         place = {"epoch": self.progress.epoch, "step": self.progress.global_step,
                  "lr": self.optimizer.param_groups[0]["lr"], "time": round(time.time(), 3)}
-        self.closed.append(ClosedWindow(rows, carried, place, samples, steps, now - self.began))
+        self.closed.append(ClosedWindow(part, carried, place, samples, steps, now - self.began))
         self.began = now
 
     def launch(self) -> None:
@@ -176,7 +169,7 @@ class StepRecords:
         starts, with the job's FLOPs per step; ``finish`` writes their records."""
         if not self.closed or self.pending is not None:
             return
-        flat = self.rows()
+        flat = self.parts()
         assert flat is not None
         work = dist.all_reduce(flat, async_op=True) if self.ctx.world_size > 1 else None
         self.pending, self.closed = (work, flat, self.closed), []
@@ -198,28 +191,28 @@ class StepRecords:
         self.launch()
         self.finish()
 
-    def rows(self) -> torch.Tensor | None:
-        """The closed windows' rows and the FLOPs per step, as one tensor for a reduction to carry
+    def parts(self) -> torch.Tensor | None:
+        """The closed windows' parts and the FLOPs per step, as one tensor for a reduction to carry
         (None: no window waits); ``write_summed`` writes their records from its sum."""
         if not self.closed:
             return None
-        flops = torch.tensor([float(self.flops.per_step or 0)], dtype=torch.float64, device=self.closed[0].rows.device)
-        return torch.cat([*(window.rows.reshape(-1) for window in self.closed), flops])
+        flops = torch.tensor([float(self.flops.per_step or 0)], dtype=torch.float64, device=self.closed[0].part.device)
+        return torch.cat([*(window.part for window in self.closed), flops])
 
     def write_summed(self, summed: torch.Tensor) -> None:
-        """``rows()`` summed over the ranks, by another reduction: the closed windows' records."""
+        """``parts()`` summed over the ranks, by another reduction: the closed windows' records."""
         windows, self.closed = self.closed, []
         self._write(summed.cpu(), windows)
 
     def _write(self, summed: torch.Tensor, windows: list[ClosedWindow]) -> None:
         job_flops, start = float(summed[-1]), 0
         for window in windows:
-            rows = summed[start:start + window.rows.numel()].reshape(-1, 3)
-            start += window.rows.numel()
+            part = summed[start:start + window.part.numel()]
+            start += window.part.numel()
             seconds, samples, place = window.seconds, window.samples, window.place
             self.write({
                 "kind": "step", "epoch": place["epoch"], "step": place["step"],
-                **window_figures(add_rows(window.carried, rows)), "lr": place["lr"],
+                **self.window.with_part(window.carried, part).record(self.window.figures), "lr": place["lr"],
                 "samples_per_s": round(samples / seconds, 1) if seconds > 0 else None,
                 **throughput_record(samples, seconds, window.steps, job_flops, self.tokens_per_sample,
                                     self.peak_tflops, self.ctx.world_size),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,11 @@ class Task:
         "one by one (default: the members of the model's largest ModuleList or Sequential)", default=None)
     tokens_per_sample: int | None = _about("tokens in one sample (a language model's sequence length): tokens/s "
                                            "in the records", default=None)
+    step_figures: dict[str, str] = _about(
+        "figures step_fn returns beside its loss, {name: 'mean' | 'sum' | 'max'}: step_fn then returns {'loss': "
+        "loss, name: value, ...}, and each step record holds the value combined over the ranks and the record's "
+        "steps as declared (max: with the rank that had it, as name_rank); no collective of their own",
+        default_factory=dict)
 
 
 TaskFactory = Callable[[Any], Task]
@@ -93,6 +99,10 @@ def check_task(task: Any, name: str) -> None:
         raise ConfigError(f"--task {name}: Task.metrics[{sums[0]!r}] is a per-batch sum of (output, target), which "
                           "eval_fn replaces; report it from eval_fn(model, batch), or make it a metric object "
                           "(torchmetrics) that eval_fn updates")
+    check_step_figures(task.step_figures, name)
+    if task.step_figures and task.step_fn is None:
+        raise ConfigError(f"--task {name}: Task.step_figures are returned by step_fn, which this task does not "
+                          "have; give step_fn(model, batch) -> {'loss': loss, figure: value}, or drop step_figures")
     for name_, value in (("collate_fn", task.collate_fn), ("step_fn", task.step_fn),
                          ("eval_fn", task.eval_fn), ("loss_fn", task.loss_fn), ("blocks", task.blocks),
                          ("make_optimizer", task.make_optimizer), ("make_scheduler", task.make_scheduler)):
@@ -114,6 +124,51 @@ def check_task(task: Any, name: str) -> None:
         if len(task.eval_set) == 0:
             raise ConfigError(f"--task {name}: Task.eval_set is empty; give it samples, or leave it None "
                               "to train without evaluation")
+
+
+# A step record's own keys: a task's figure may not take one.
+RECORD_KEYS = ("loss", "count", "kind", "epoch", "step", "train_loss", "grad_norm", "lr", "samples_per_s",
+               "tokens_per_s", "tflops", "mfu", "time")
+COMBINES = ("mean", "sum", "max")  # how a task's step figure is combined over the ranks and steps
+
+
+def check_step_figures(figures: Any, name: str) -> None:
+    """ConfigError (one line) unless Task.step_figures is {name: 'mean' | 'sum' | 'max'} with names of its own."""
+    if not isinstance(figures, Mapping):
+        raise ConfigError(f"--task {name}: Task.step_figures is a {type(figures).__name__}; give a dict such as "
+                          "{'aux_loss': 'mean'}")
+    for figure, combine in figures.items():
+        if not (isinstance(figure, str) and re.fullmatch(r"[A-Za-z_][\w.]*", figure)) or figure in RECORD_KEYS \
+                or figure.endswith("_rank"):
+            raise ConfigError(f"--task {name}: Task.step_figures names {figure!r}; give a name of letters, digits "
+                              f"and _ that is none of the record's own ({', '.join(RECORD_KEYS)}) and does not end "
+                              "in _rank")
+        if combine not in COMBINES:
+            raise ConfigError(f"--task {name}: Task.step_figures[{figure!r}] is {combine!r}; choose how the ranks "
+                              f"and steps combine it: {', '.join(COMBINES)}")
+
+
+def split_figures(value: Any, declared: Mapping[str, str], check: bool = False) -> tuple[Any, dict[str, Any]]:
+    """step_fn's value without its figures (the loss, or (loss_sum, count)), and its figures: a
+    mapping ``{"loss": ..., ["count": ...,] figure: value, ...}`` splits so; anything else has none.
+    ``check``: ConfigError (one line) for a mapping without "loss" or with a figure not declared."""
+    if not isinstance(value, Mapping):
+        return value, {}
+    if "loss" not in value:
+        raise ConfigError(f"Task.step_fn returned a dict without 'loss' (its keys: {', '.join(map(str, value))}); "
+                          "return {'loss': loss, figure: value, ...}")
+    figures = {key: figure for key, figure in value.items() if key not in ("loss", "count")}
+    if check:
+        undeclared = [key for key in figures if key not in declared]
+        if undeclared:
+            raise ConfigError(f"Task.step_fn returned the figure {undeclared[0]!r}, which Task.step_figures does "
+                              f"not declare; add step_figures={{{undeclared[0]!r}: 'mean'}} (or 'sum', 'max')")
+        for key, figure in figures.items():
+            if not (isinstance(figure, (int, float)) and not isinstance(figure, bool)
+                    or isinstance(figure, torch.Tensor) and figure.numel() == 1):
+                raise ConfigError(f"Task.step_fn's figure {key!r} is a {type(figure).__name__}; return a number or "
+                                  "a one-element tensor")
+    return ((value["loss"], value["count"]) if "count" in value else value["loss"]), figures
 
 
 def check_pair(batch: Any) -> None:
