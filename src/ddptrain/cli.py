@@ -104,8 +104,11 @@ def _add_plan_parser(commands: Any) -> None:
 
 
 def build_parser() -> OneLineParser:
+    from . import __version__
+
     parser = OneLineParser(prog="ddptrain", description="DistributedDataParallel training "
                            "that works the same under every launcher.")
+    parser.add_argument("--version", action="version", version=f"ddptrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     train = commands.add_parser("train", help="train a task on every local GPU (or CPU ranks), "
                                 "or as one rank under torchrun / srun")

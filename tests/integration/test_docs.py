@@ -3,12 +3,16 @@
 Fenced blocks in README.md and docs/*.md whose info string is ``sh run`` are run, each block
 as one bash script that stops at the first failing line, in a scratch folder holding a copy
 of examples/ (CPU, OMP_NUM_THREADS=1). A ``text`` block right after a run block shows what it
-prints: each of its lines must appear in the output, in that order, where ``…`` stands for
-what differs from run to run (rates, times). Blocks marked ``sh gpu`` or ``sh cluster``
-cannot run here: their ddptrain arguments must parse, `ddptrain <command> --help` must
-succeed, and scripts they name must exist and pass `bash -n`.
+prints: each of its lines must match an output line, in that order, column by column (word by
+word: a column more or less fails), where ``…`` stands for one word, or part of one, that differs
+from run to run (a rate, a time, a hash). One block runs alone by its id (the page and its number
+there): ``pytest 'tests/integration/test_docs.py::test_runnable_block[guide-3]'`` runs only that
+block (the ids: ``pytest tests/integration/test_docs.py --collect-only -q``). Blocks marked
+``sh gpu`` or ``sh cluster`` cannot run here: their ddptrain arguments must parse,
+`ddptrain <command> --help` must succeed, and scripts they name must exist and pass `bash -n`.
 """
 
+import collections
 import concurrent.futures
 import functools
 import re
@@ -28,7 +32,7 @@ FENCE = re.compile(r"^```(\S+)(?: ([\w ]+))?\n(.*?)^```\n", re.S | re.M)
 
 def blocks(kind: str) -> list[tuple[str, str, str | None]]:
     """(document, block text, the text block it prints or None) for every ``sh <kind>`` block."""
-    found = []
+    found: list[tuple[str, str, str | None]] = []
     for doc in DOCS:
         text = doc.read_text()
         fences = list(FENCE.finditer(text))
@@ -55,7 +59,10 @@ def test_docs_mark_commands_and_show_their_output():
 
 
 def _pattern(line: str) -> re.Pattern[str]:
-    return re.compile("^" + ".*?".join(re.escape(part) for part in line.rstrip().split("…")) + r"\s*$")
+    """A shown line as a pattern: its words in order, each exact but where ``…`` stands for a part
+    that varies (one or more characters, never a space: a column cannot hide behind it)."""
+    words = [r"\S+?".join(re.escape(part) for part in word.split("…")) for word in line.split()]
+    return re.compile(r"^\s*" + r"\s+".join(words) + r"\s*$")
 
 
 def assert_shows(output: str, shown: str, where: str) -> None:
@@ -64,7 +71,7 @@ def assert_shows(output: str, shown: str, where: str) -> None:
     position = 0
     for expected in (line for line in shown.splitlines() if line.strip()):
         pattern = _pattern(expected)
-        while position < len(lines) and not pattern.match(lines[position]):
+        while position < len(lines) and not pattern.fullmatch(lines[position]):
             position += 1
         assert position < len(lines), f"{where}: the docs show\n  {expected}\nbut the command printed:\n{output}"
         position += 1
@@ -73,10 +80,23 @@ def assert_shows(output: str, shown: str, where: str) -> None:
 RUN_BLOCKS = blocks("run")
 
 
+def block_ids() -> list[str]:
+    """Each run block's id: its page and its number there (``guide-3``: guide.md's third)."""
+    ids, seen = [], collections.Counter()
+    for doc, _, _ in RUN_BLOCKS:
+        page = Path(doc).stem
+        seen[page] += 1
+        ids.append(f"{page}-{seen[page]}")
+    return ids
+
+
 @pytest.fixture(scope="module")
-def block_results(tmp_path_factory):
-    """Every run block's output, two blocks at a time (each in a scratch folder of its own, on
-    ports the OS picks: they only share the CPUs, and nothing here measures time)."""
+def block_results(request, tmp_path_factory):
+    """The output of every run block this session runs (all, or the one selected by its id), two
+    blocks at a time (each in a scratch folder of its own, on ports the OS picks: they only share
+    the CPUs, and nothing here measures time)."""
+    chosen = sorted({item.callspec.params["index"] for item in request.session.items
+                     if getattr(item, "originalname", "") == "test_runnable_block"})
     env = clean_env()
     env["PATH"] = f"{BIN}:{env['PATH']}"
 
@@ -86,14 +106,13 @@ def block_results(tmp_path_factory):
 
     # The scratch folders are made here, one thread: mktemp numbers its folders (and makes pytest's
     # base folder on first use) without a lock, and two threads once got the same one.
-    folders = [tmp_path_factory.mktemp("block") for _ in RUN_BLOCKS]
+    folders = [tmp_path_factory.mktemp("block") for _ in chosen]
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(execute, folders, [command for _, command, _ in RUN_BLOCKS]))
+        return dict(zip(chosen, pool.map(execute, folders, [RUN_BLOCKS[index][1] for index in chosen])))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(RUN_BLOCKS)),
-                         ids=[f"{doc}-{command.splitlines()[0][:50]}" for doc, command, _ in RUN_BLOCKS])
+@pytest.mark.parametrize("index", range(len(RUN_BLOCKS)), ids=block_ids())
 def test_runnable_block(index, block_results):
     doc, command, shows = RUN_BLOCKS[index]
     result = block_results[index]
@@ -134,11 +153,18 @@ def _help_works(subcommand: str) -> bool:
     return run([str(BIN / "ddptrain"), subcommand, "--help"]).returncode == 0
 
 
-def test_shown_output_is_matched_line_by_line_in_order():
-    output = "training x\nepoch 0 | 12,345 samples/s\nnoise\nsummary\n"
-    assert_shows(output, "epoch 0 | … samples/s\nsummary\n", "here")
-    with pytest.raises(AssertionError, match="the docs show"):
-        assert_shows(output, "summary\nepoch 0 | … samples/s\n", "here")  # the order matters
+def test_shown_output_is_matched_line_by_line_in_order_and_column_by_column():
+    output = "training x\nepoch 0 | 12,345 samples/s\nnoise\nsummary\nsaved to runs/a-1f3c/model.pt\n"
+    assert_shows(output, "epoch 0 | … samples/s\nsummary\nsaved to runs/a-…/model.pt", "here")
+    for shown in ("summary\nepoch 0 | … samples/s\n",  # the order matters
+                  "epoch 0 | …",  # a column the docs do not show
+                  "epoch 1 | … samples/s",  # what is shown, exactly
+                  "epoch 0 | … samples/s | … s"):  # a column the output lacks
+        with pytest.raises(AssertionError, match="the docs show"):
+            assert_shows(output, shown, "here")
+    assert_shows("epoch 0 | 9 samples/s | 12 tokens/s\n", "epoch 0 | … samples/s | … tokens/s", "here")
+    with pytest.raises(AssertionError, match="the docs show"):  # a new column in the output fails the page
+        assert_shows("epoch 0 | 9 samples/s | 12 tokens/s | 3 TFLOP/s\n", "epoch 0 | … samples/s | … tokens/s", "")
 
 
 def test_the_readme_is_short_and_its_links_resolve():
