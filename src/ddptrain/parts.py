@@ -27,7 +27,7 @@ from .group_sync import GroupSync
 from .observe.metrics import EpochLosses, GradNorms, RankTimings
 from .observe.ray_train import RayReports
 from .observe.report import NullReporter, Reporter
-from .observe.step_figures import task_figures
+from .observe.step_figures import step_figures
 from .observe.step_records import StepRecords, StepWindow
 from .observe.throughput import FlopCount, StepProfiler, TrainingClock, device_peak_tflops
 from .optim import ScalerState, SchedulerState, build_optimizer, build_schedule, describe_optimizer, run_steps
@@ -157,7 +157,7 @@ def build_parts(task: Task, cfg: RunConfig, ctx: DistContext) -> RunParts:
     losses = EpochLosses(ctx.device, steps or 64, carries=ctx.is_main)
     grad_norms = GradNorms(ctx.device, steps or 64, carries=ctx.is_main, counts=strategy.counts_gradients)
     window = StepWindow(ctx.device, cfg.observe.log_interval(run_steps(cfg.training, steps)),
-                        task_figures(task.step_figures), ctx.rank, ctx.world_size)
+                        step_figures(task.step_figures), ctx.rank, ctx.world_size)
     guard = NonFiniteGuard(cfg.skip_nonfinite)
     cadence = make_cadence(cfg, progress, task.eval_set is not None, best)
     evaluations = build_evaluations(task, cfg, ctx, strategy, module, model, average, best, home, uploads,

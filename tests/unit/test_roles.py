@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from ddptrain.data.sampling import StepSampler
+from ddptrain.errors import ConfigError
 from ddptrain.optim import build_optimizer, build_schedule, run_steps
-from ddptrain.settings import FIELDS, ROLES, RunConfig, sections
+from ddptrain.settings import FIELDS, ROLES, RunConfig, flag, sections
+from ddptrain.settings.checks import validate
 from ddptrain.settings.fingerprint import default_run_dir, fingerprint_changes
 from ddptrain.settings.parsing import field_type
 from ddptrain.settings.roles import NEVER, Role, identity, operation, setting
@@ -29,7 +31,8 @@ TEXT_VALUES = {"task": "digits", "run_dir": "runs/elsewhere", "betas": "0.9,0.95
 
 
 def other_value(name: str):
-    """A valid value of setting ``name`` other than its default, from its type and choices."""
+    """A value of setting ``name`` other than its default, from its type and choices: the first
+    that the settings' checks accept (a fraction's 2 is refused, its 0.5 is not), else the first."""
     field, kind = FIELDS[name], field_type(name)
     if field.metadata["choices"]:
         return next(choice for choice in field.metadata["choices"] if choice != field.default)
@@ -37,9 +40,18 @@ def other_value(name: str):
         return not field.default
     if kind is str:
         return TEXT_VALUES[name]
-    if field.default is None:
-        return kind(3) if kind is int else 0.5
-    return field.default + 1 if kind is int else (field.default * 2 or 0.5)
+    if kind is int:
+        candidates = [3, 1] if field.default is None else [field.default + 1, field.default + 2, 1]
+    else:
+        candidates = [0.5, 0.25] if field.default is None else [field.default * 2 or 0.5, field.default / 2, 0.5, 0.25]
+    candidates = [value for value in candidates if value != field.default]
+    for value in candidates:
+        try:
+            validate(RunConfig(**{name: value}))
+        except ConfigError:
+            continue
+        return value
+    return candidates[0]
 
 
 def in_play(name: str) -> RunConfig:
@@ -81,7 +93,7 @@ def test_changing_a_math_setting_changes_the_fingerprint_and_a_resume_refuses_it
     base = in_play(name)
     changed = base.replace(**{name: other_value(name)})
     before, after = base.math_fingerprint(2), changed.math_fingerprint(2)
-    assert before != after, f"--{name} is declared math() but its change leaves the fingerprint alone"
+    assert before != after, f"{flag(name)} is declared math() but its change leaves the fingerprint alone"
     key = ROLES[name].key or name
     assert any(line.startswith(f"{key}:") for line in fingerprint_changes(before, after)), name
     assert any(line.startswith(f"{key}:") for line in fingerprint_changes(after, before)), name
@@ -126,7 +138,7 @@ def test_no_other_setting_moves_the_math_a_probe_sees(name):
     """What catches a wrong role: a schedule's setting declared operation() changes the rate."""
     base = RunConfig(lr_schedule="cosine", warmup_steps=2, max_epochs=3, optimizer="adamw")
     assert math_probe(base) == math_probe(base.replace(**{name: other_value(name)})), (
-        f"--{name} is declared {ROLES[name].kind}() but changes the math: declare it math() in its section")
+        f"{flag(name)} is declared {ROLES[name].kind}() but changes the math: declare it math() in its section")
 
 
 def test_the_probe_sees_a_schedule_setting():

@@ -13,7 +13,7 @@ from ddptrain import ConfigError, RunConfig
 from ddptrain.cli import main
 from ddptrain.data import eval_subset
 from ddptrain.observe.report import config_json, console_line, curve_series, summarize
-from ddptrain.observe.step_figures import TaskFigure
+from ddptrain.observe.step_figures import StepFigure
 from ddptrain.observe.step_records import StepWindow
 from ddptrain.observe.tracking import metrics_of, params_of
 from ddptrain.optim import build_schedule, describe_optimizer, lr_factor, run_steps
@@ -57,7 +57,7 @@ def test_a_window_folded_for_a_snapshot_carries_its_figures_into_the_resumed_rec
     assert _record(resumed) == pytest.approx(expected)
 
 
-FIGURES = (TaskFigure("aux", "mean"), TaskFigure("peak", "max"), TaskFigure("tokens", "sum"))
+FIGURES = (StepFigure("aux", "mean"), StepFigure("peak", "max"), StepFigure("tokens", "sum"))
 
 
 def _figures_window(rank, steps, every=10):
@@ -96,6 +96,16 @@ def test_a_snapshot_inside_a_window_carries_the_tasks_figures():
                           {k: torch.tensor(float(v), dtype=torch.float64) for k, v in s[1].items()})
     assert _record(*resumed) == pytest.approx(expected)
     assert (expected["peak"], expected["peak_rank"], expected["tokens"]) == (9, 0, 10)
+
+
+def test_a_figure_of_ddptrains_own_is_measured_by_each_rank_after_each_step():
+    readings = iter([3.0, 7.0, 5.0, 2.0])
+    peak = (StepFigure("peak_mb", "max", measure=lambda: next(readings)),)
+    ranks = [StepWindow(torch.device("cpu"), 10, peak, rank=rank, world_size=2) for rank in range(2)]
+    for _ in range(2):
+        for window in ranks:
+            window.add(torch.tensor(1.0), torch.tensor(1.0, dtype=torch.float64))
+    assert {k: v for k, v in _record(*ranks).items() if k.startswith("peak")} == {"peak_mb": 7.0, "peak_mb_rank": 1}
 
 
 def test_a_tasks_figures_are_declared_and_returned_or_refused_in_one_line():

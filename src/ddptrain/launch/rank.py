@@ -235,7 +235,7 @@ def as_reported(error: BaseException, rank: int, watchdog: Watchdog) -> BaseExce
 def train(task: Task, cfg: RunConfig, ctx: DistContext) -> tuple[str, tuple[int, int]]:
     """The Trainer's outcome and where the run stands (epoch, global step). The Trainer lives
     in this frame only: it (and DDP's reducer, which holds the process group) must be gone
-    before the group is left, or interpreter exit can deadlock in gloo (DESIGN.md's pitfalls)."""
+    before the group is left, or interpreter exit can deadlock in gloo (docs/design.md's pitfalls)."""
     trainer = Trainer(task, cfg, ctx)
     status = trainer.fit(exiting=True)  # nothing uses the trainer after: its end may free the optimizer
     return status, (trainer.progress.epoch, trainer.progress.global_step)

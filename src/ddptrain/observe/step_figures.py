@@ -9,17 +9,20 @@ Two kinds, both summed over the ranks in the step records' one all-reduce (no co
   the record holds the mean over the window's steps that had one) and the gradient norm (the
   root of the ranks' summed squares, each step's; the mean over the steps where it is finite).
   A root is not linear, so these keep a row per step.
-- **a task's own** (``TaskFigure``, from ``Task.step_figures``): a figure step_fn returns beside
-  its loss, combined over the ranks and the window's steps by ``mean``, ``sum`` or ``max``
-  (with the rank that had it). Each rank keeps a running (value, count) on the device, so a
-  window costs a few numbers however long it is; ``max`` lays one number per rank into the sum
-  (every rank's own, read back exact), so its cost grows with the world: one float64 a rank.
+- **per window** (``StepFigure``): a figure combined over the ranks and the window's steps by
+  ``mean``, ``sum`` or ``max`` (with the rank that had it): a task's own (``Task.step_figures``:
+  step_fn returns them beside its loss), and ddptrain's own (``BUILT_IN``: each with ``measure``,
+  how a rank computes its value after a step; none yet). Each rank keeps a running (value, count)
+  on the device, so a window costs a few numbers however long it is; ``max`` lays one number per
+  rank into the sum (every rank's own, read back exact), so its cost grows with the world: one
+  float64 a rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,11 +33,13 @@ PER_STEP = ("loss_part", "grad_norm", "has_loss")
 
 
 @dataclasses.dataclass(frozen=True)
-class TaskFigure:
-    """A task's step figure: its name in the records and how the ranks and steps combine it."""
+class StepFigure:
+    """A figure of the step records: its name, how the ranks and steps combine it, and (ddptrain's
+    own) how a rank measures it after each step; a task's come from its step_fn instead."""
 
     name: str
     combine: str  # "mean", "sum" or "max"
+    measure: Callable[[], float] | None = None
 
     def width(self, world_size: int) -> int:
         """Its columns in a window's summed part: (total, count), or (count, one per rank) for max."""
@@ -88,9 +93,15 @@ class TaskFigure:
         return (0.0, 0.0, -1)
 
 
-def task_figures(declared: dict[str, str]) -> tuple[TaskFigure, ...]:
-    """``Task.step_figures`` as declarations (checked by tasks.protocol.check_step_figures)."""
-    return tuple(TaskFigure(name, combine) for name, combine in declared.items())
+# ddptrain's own per-window figures, in every step record: e.g. a rank's peak memory would be
+# StepFigure("peak_memory_mb", "max", measure=peak_rss_mb) (docs/development.md's recipe).
+BUILT_IN: tuple[StepFigure, ...] = ()
+
+
+def step_figures(declared: dict[str, str]) -> tuple[StepFigure, ...]:
+    """ddptrain's own per-window figures, then ``Task.step_figures`` as declarations (checked by
+    tasks.protocol.check_step_figures)."""
+    return BUILT_IN + tuple(StepFigure(name, combine) for name, combine in declared.items())
 
 
 @dataclasses.dataclass
@@ -101,40 +112,41 @@ class WindowFigures:
     loss_steps: int = 0
     norm_total: float = 0.0
     norm_steps: int = 0
-    task: dict[str, tuple[float, float, int]] = dataclasses.field(default_factory=dict)
+    windowed: dict[str, tuple[float, float, int]] = dataclasses.field(default_factory=dict)  # by name
 
-    def plus(self, rows: torch.Tensor, tail: torch.Tensor, figures: tuple[TaskFigure, ...],
+    def plus(self, rows: torch.Tensor, tail: torch.Tensor, figures: tuple[StepFigure, ...],
              world_size: int) -> WindowFigures:
         """These figures with a window part's added: ``rows`` (its steps' PER_STEP rows, summed over
-        the ranks) and ``tail`` (the task figures' columns, summed): a loss that is not finite
+        the ranks) and ``tail`` (the per-window figures' columns, summed): a loss that is not finite
         included (the record shows it), a skipped step's left out."""
         counted = rows[:, 2] > 0
         losses, norms = rows[counted, 0], rows[counted, 1].sqrt()
         norms = norms[torch.isfinite(norms)]
-        task, start = dict(self.task), 0
+        windowed, start = dict(self.windowed), 0
         for figure in figures:
             width = figure.width(world_size)
-            task[figure.name] = figure.fold(task.get(figure.name, TaskFigure.nothing()), tail[start:start + width])
+            windowed[figure.name] = figure.fold(windowed.get(figure.name, StepFigure.nothing()),
+                                                tail[start:start + width])
             start += width
         return WindowFigures(self.loss_total + float(losses.sum()), self.loss_steps + len(losses),
-                             self.norm_total + float(norms.sum()), self.norm_steps + len(norms), task)
+                             self.norm_total + float(norms.sum()), self.norm_steps + len(norms), windowed)
 
-    def record(self, figures: tuple[TaskFigure, ...]) -> dict[str, Any]:
+    def record(self, figures: tuple[StepFigure, ...]) -> dict[str, Any]:
         """A step record's figures: the mean training loss and gradient norm over the window's steps
-        (those that had one), then the task's."""
+        (those that had one), then the per-window figures."""
         entries: dict[str, Any] = {"train_loss": self.loss_total / self.loss_steps if self.loss_steps else math.nan}
         if self.norm_steps and self.norm_total > 0:  # (a strategy that does not measure them: none)
             entries["grad_norm"] = self.norm_total / self.norm_steps
         for figure in figures:
-            entries.update(figure.figures(self.task.get(figure.name, TaskFigure.nothing())))
+            entries.update(figure.figures(self.windowed.get(figure.name, StepFigure.nothing())))
         return entries
 
     # In a snapshot (0.6's keys for the loss and norm, so its snapshots resume into the same records)
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"window_loss_total": self.loss_total, "window_loss_steps": self.loss_steps,
                                  "window_grad_norm_total": self.norm_total, "window_grad_norm_steps": self.norm_steps}
-        if self.task:  # (a task without figures: the table 0.6 wrote)
-            state["window_task_figures"] = {name: list(value) for name, value in self.task.items()}
+        if self.windowed:  # (a run without per-window figures: the table 0.6 wrote)
+            state["window_figures"] = {name: list(value) for name, value in self.windowed.items()}
         return state
 
     @classmethod
@@ -142,4 +154,4 @@ class WindowFigures:
         return cls(state.get("window_loss_total", 0.0), state.get("window_loss_steps", 0),
                    state.get("window_grad_norm_total", 0.0), state.get("window_grad_norm_steps", 0),
                    {name: (float(v[0]), float(v[1]), int(v[2]))
-                    for name, v in state.get("window_task_figures", {}).items()})
+                    for name, v in state.get("window_figures", {}).items()})

@@ -27,19 +27,19 @@ import torch.distributed as dist
 
 from ..comm import DistContext
 from ..progress import Progress
-from .step_figures import PER_STEP, TaskFigure, WindowFigures
+from .step_figures import PER_STEP, StepFigure, WindowFigures
 from .throughput import FlopCount, TrainingClock, throughput_record
 
 
 class StepWindow:
     """The steps since the last step record (--log-every N): each step's loss (this rank's part)
-    and gradient norm (GradNorms', this rank's), kept on the device, the task's figures' running
-    values, and the samples and steps this process trained in it. A step record ``take``s them
+    and gradient norm (GradNorms', this rank's), kept on the device, the per-window figures'
+    running values, and the samples and steps this process trained in it. A step record ``take``s them
     (their sum over the ranks is the record's); a snapshot's reduction ``fold``s them into the
     window's figures so far, which the snapshot holds, so that a run resumed inside a window
     writes the record the uninterrupted run writes."""
 
-    def __init__(self, device: torch.device, every: int, figures: tuple[TaskFigure, ...] = (), rank: int = 0,
+    def __init__(self, device: torch.device, every: int, figures: tuple[StepFigure, ...] = (), rank: int = 0,
                  world_size: int = 1) -> None:
         self.device, self.every, self.figures, self.rank, self.world_size = device, every, figures, rank, world_size
         self.slots = torch.zeros(max(1, every), len(PER_STEP), dtype=torch.float64, device=device)  # a row a step
@@ -54,7 +54,7 @@ class StepWindow:
     def add(self, loss: torch.Tensor | None, grad_norm: torch.Tensor,
             figures: dict[str, torch.Tensor] | None = None) -> None:
         """A step's loss part (None: a skipped step, which has none), this rank's gradient norm, and
-        this rank's values of the task's figures (those it had)."""
+        this rank's values of the task's figures (those it had); ddptrain's own are measured here."""
         if self.every == 0:  # --log-every 0: no step records
             return
         if self.count == len(self.slots):  # (a logging step missed: a torchft group healed in it)
@@ -66,7 +66,10 @@ class StepWindow:
         row[1] = grad_norm
         self.count += 1
         for figure in self.figures:
-            if figures and figure.name in figures:
+            if figure.measure is not None:
+                figure.add(self.running[figure.name], torch.tensor(figure.measure(), dtype=torch.float64,
+                                                                   device=self.device))
+            elif figures and figure.name in figures:
                 figure.add(self.running[figure.name], figures[figure.name])
 
     def trained(self, samples: int) -> None:
