@@ -170,3 +170,19 @@ def test_a_config_reads_flat_and_by_section_and_never_changes():
         RunConfig(bogus=1)
     with pytest.raises(AttributeError, match="bogus"):
         cfg.bogus  # noqa: B018
+
+
+def test_the_version_is_one_number_the_command_the_package_and_the_changelog_agree_on(capsys):
+    import importlib.metadata
+    import re
+
+    import ddptrain
+    from ddptrain.cli import main
+    from helpers.commands import REPO
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"ddptrain {ddptrain.__version__}"
+    assert importlib.metadata.version("ddptrain") == ddptrain.__version__  # pyproject.toml reads it
+    newest = re.search(r"^## (\S+)", (REPO / "CHANGELOG.md").read_text(), re.M)
+    assert newest is not None and newest.group(1) == ddptrain.__version__
