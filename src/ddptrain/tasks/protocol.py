@@ -151,23 +151,23 @@ def check_step_figures(figures: Any, name: str) -> None:
 def split_figures(value: Any, declared: Mapping[str, str], check: bool = False) -> tuple[Any, dict[str, Any]]:
     """step_fn's value without its figures (the loss, or (loss_sum, count)), and its figures: a
     mapping ``{"loss": ..., ["count": ...,] figure: value, ...}`` splits so; anything else has none.
-    ``check``: ConfigError (one line) for a mapping without "loss" or with a figure not declared."""
+    ConfigError (one line) for a mapping without "loss" or with a figure not declared; ``check``
+    (the first step): also for a figure that is not one number."""
     if not isinstance(value, Mapping):
         return value, {}
     if "loss" not in value:
         raise ConfigError(f"Task.step_fn returned a dict without 'loss' (its keys: {', '.join(map(str, value))}); "
                           "return {'loss': loss, figure: value, ...}")
     figures = {key: figure for key, figure in value.items() if key not in ("loss", "count")}
-    if check:
-        undeclared = [key for key in figures if key not in declared]
-        if undeclared:
-            raise ConfigError(f"Task.step_fn returned the figure {undeclared[0]!r}, which Task.step_figures does "
-                              f"not declare; add step_figures={{{undeclared[0]!r}: 'mean'}} (or 'sum', 'max')")
-        for key, figure in figures.items():
-            if not (isinstance(figure, (int, float)) and not isinstance(figure, bool)
-                    or isinstance(figure, torch.Tensor) and figure.numel() == 1):
-                raise ConfigError(f"Task.step_fn's figure {key!r} is a {type(figure).__name__}; return a number or "
-                                  "a one-element tensor")
+    undeclared = [key for key in figures if key not in declared]
+    if undeclared:
+        raise ConfigError(f"Task.step_fn returned the figure {undeclared[0]!r}, which Task.step_figures does "
+                          f"not declare; add step_figures={{{undeclared[0]!r}: 'mean'}} (or 'sum', 'max')")
+    for key, figure in figures.items() if check else ():
+        if not (isinstance(figure, (int, float)) and not isinstance(figure, bool)
+                or isinstance(figure, torch.Tensor) and figure.numel() == 1):
+            raise ConfigError(f"Task.step_fn's figure {key!r} is a {type(figure).__name__}; return a number or "
+                              "a one-element tensor")
     return ((value["loss"], value["count"]) if "count" in value else value["loss"]), figures
 
 
