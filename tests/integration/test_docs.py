@@ -14,17 +14,21 @@ block (the ids: ``pytest tests/integration/test_docs.py --collect-only -q``). Bl
 
 import collections
 import concurrent.futures
+import contextlib
 import functools
+import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from ddptrain.cli import build_parser
-from helpers.commands import BIN, REPO, clean_env, run
+from helpers.commands import BIN, REPO, TESTS, ForkedCommand, clean_env, descendants, run
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\S+)(?: ([\w ]+))?\n(.*?)^```\n", re.S | re.M)
@@ -94,15 +98,28 @@ def block_ids() -> list[str]:
 def block_results(request, tmp_path_factory):
     """The output of every run block this session runs (all, or the one selected by its id), two
     blocks at a time (each in a scratch folder of its own, on ports the OS picks: they only share
-    the CPUs, and nothing here measures time)."""
+    the CPUs, and nothing here measures time). A block's ``ddptrain`` is forked by the command
+    server (helpers/served_command.py: the interpreter's start is the tests of the start's)."""
     chosen = sorted({item.callspec.params["index"] for item in request.session.items
                      if getattr(item, "originalname", "") == "test_runnable_block"})
-    env = clean_env()
-    env["PATH"] = f"{BIN}:{env['PATH']}"
+    served = tmp_path_factory.mktemp("served-bin")
+    client = TESTS / "helpers" / "served_command.py"
+    (served / "ddptrain").write_text(f'#!/bin/sh\nexec {sys.executable} -I {client} "$@"\n')
+    (served / "ddptrain").chmod(0o755)
+    env = clean_env(DDPTRAIN_COMMAND_SERVER=ForkedCommand.server(), DDPTRAIN_COMMAND=str(BIN / "ddptrain"))
+    env["PATH"] = f"{served}:{BIN}:{env['PATH']}"
 
     def execute(folder: Path, command: str) -> subprocess.CompletedProcess[str]:
         shutil.copytree(REPO / "examples", folder / "examples")
-        return run(["bash", "-e", "-c", f"exec 2>&1\n{command}"], env=env, cwd=folder, timeout=300)
+        (folder / ".served").mkdir()
+        try:
+            return run(["bash", "-e", "-c", f"exec 2>&1\n{command}"], env={**env, "DDPTRAIN_SERVED_PIDS":
+                       str(folder / ".served")}, cwd=folder, timeout=300)
+        finally:  # what the block's commands left running (a block that ran past its time)
+            for pid in (int(p.name) for p in (folder / ".served").iterdir()):
+                for left in (pid, *descendants(pid)):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(left, signal.SIGKILL)
 
     # The scratch folders are made here, one thread: mktemp numbers its folders (and makes pytest's
     # base folder on first use) without a lock, and two threads once got the same one.
