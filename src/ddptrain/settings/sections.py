@@ -140,7 +140,7 @@ class ParallelSettings(Section):
                                    "model sharded over its ranks); default: one per node", default=None,
                                    # the groups' count is in the math of --sync (each group's own optimizer state and
                                    # the meetings' average), not of every-step hsdp (its layout alone)
-                                   role=math(unless=EVERY_STEP, since="0.6"))
+                                   role=math(unless=EVERY_STEP, since="0.5"))
     reshard_after_forward: bool = setting("fsdp: free gathered parameters after the forward pass "
                                           "(less memory, one more all-gather in backward)", default=True,
                                           role=identity())
