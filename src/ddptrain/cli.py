@@ -303,6 +303,8 @@ def plan_command(args: argparse.Namespace) -> int:
     from .plan.job import chosen_ranks, make_plan, refusals, steady_step, with_global_batch
 
     target = plan_target(args.world_size, args.nnodes, args.nproc_per_node)
+    hw = Hardware(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware)})
+    hw.check()
     cfg, factory = prepare(None, given_options(args), args.config)  # the same checks as train's
     fewest = steady_step(cfg.strategy) + 1
     steps = fewest if args.steps is None else args.steps
@@ -311,7 +313,6 @@ def plan_command(args: argparse.Namespace) -> int:
                           "steps before are not steady: DDP rebuilds its buckets and shares their order in its "
                           f"second); give --steps {fewest} or more")
     cfg = with_global_batch(cfg, target, args.global_batch)
-    hw = Hardware(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware)})
     found = make_plan(cfg, factory, target, chosen_ranks(args.ranks, target.world_size), hw, steps, args.fake_tensors)
     refused = refusals(found, cfg, hw)
     if args.json:
@@ -331,6 +332,9 @@ def plan_target(world_size: int | None, nnodes: int | None, per_node: int | None
 
     if world_size is None and nnodes is None:
         raise ConfigError("ddptrain plan needs the target's size: --world-size W, or --nnodes N --nproc-per-node G")
+    for flag_name, given in (("--world-size", world_size), ("--nnodes", nnodes), ("--nproc-per-node", per_node)):
+        if given is not None and given < 1:
+            raise ConfigError(f"{flag_name} must be at least 1, got {given}")
     if nnodes is not None:
         per_node = per_node or 8
         if world_size is not None and world_size != nnodes * per_node:

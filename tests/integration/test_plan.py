@@ -25,7 +25,7 @@ from ddptrain.comm import DistContext
 from ddptrain.plan.hardware import Hardware
 from ddptrain.plan.job import make_plan, steady_step
 from ddptrain.plan.rank import Target, measure_rank, plan_rank
-from helpers.commands import ddptrain_cli, fit
+from helpers.commands import clean_env, ddptrain_cli, fit
 from helpers.ranks import run_on_ranks
 
 DIGITS = {"task": "digits", "optimizer": "adamw"}
@@ -179,6 +179,19 @@ def test_the_command_refuses_what_would_fail_at_scale_one_line_each():
         ("--world-size", "12", "--nproc-per-node", "8"): "not a whole number of nodes",
         ("--world-size", "2", "--steps", "2"): "runs at least 3 steps",
         ("--world-size", "4", "--strategy", "hsdp", "--replicas", "3"): "--replicas 3 does not divide",
+        # figures no machine has (they divided by zero after the ranks ran, or planned as the default)
+        ("--world-size", "8", "--tflops", "0"): "--tflops must be a finite number > 0, got 0",
+        ("--world-size", "8", "--link-gbps", "0"): "--link-gbps must be a finite number > 0",
+        ("--world-size", "8", "--node-gbps", "-1"): "--node-gbps must be a finite number > 0",
+        ("--world-size", "8", "--copy-gbs", "0"): "--copy-gbs must be a finite number > 0",
+        ("--world-size", "8", "--write-gbs", "0"): "--write-gbs must be a finite number > 0",
+        ("--world-size", "8", "--rank-mttf-hours", "0"): "--rank-mttf-hours must be a finite number > 0",
+        ("--world-size", "8", "--start-seconds", "-1"): "--start-seconds must be a number >= 0",
+        ("--world-size", "8", "--memory-per-rank", "-1"): "--memory-per-rank must be a finite number > 0",
+        ("--world-size", "8", "--tflops", "inf"): "--tflops must be a finite number > 0, got inf",
+        ("--nnodes", "2", "--nproc-per-node", "0"): "--nproc-per-node must be at least 1, got 0",
+        ("--nnodes", "0"): "--nnodes must be at least 1, got 0",
+        ("--world-size", "0"): "--world-size must be at least 1, got 0",
     }
     for flags, words in before.items():
         code, _, err = _plan("--task", "regression", *flags)
@@ -193,6 +206,31 @@ def test_the_command_refuses_what_would_fail_at_scale_one_line_each():
     for words, line in zip(("rank 4095 has no training sample", "above --memory-per-rank", "raise --save-every"),
                            lines):
         assert words in line, lines
+
+
+# Flags that train refuses: the plan refuses each with the same line (one check path), the last
+# two only once the task is built (a stream's length is unknown; the task names a missing module).
+REFUSED_BY_BOTH = [
+    ("--batch-size", "0"),
+    ("--strategy", "fsdp", "--comm-hook", "fp16"),
+    ("--sync", "diloco", "--replicas", "2"),
+    ("--keep-best", "eval_loss:most"),
+    ("--task", "ddptrain_test_tasks:stream", "--lr-schedule", "cosine"),
+    ("--task", "no_such_module:task"),
+]
+
+
+@pytest.mark.slow
+def test_the_plan_and_train_refuse_the_same_flags_with_the_same_line(tmp_path):
+    env = clean_env(STREAM_SAMPLES="64")
+    for number, flags in enumerate(REFUSED_BY_BOTH):
+        trained = ddptrain_cli("train", *flags, "--run-dir", str(tmp_path / str(number)), env=env)
+        planned = ddptrain_cli("plan", "--world-size", "4", *flags, env=env)
+        lines = [[line for line in result.stderr.splitlines() if line.startswith("ddptrain")]
+                 for result in (trained, planned)]
+        assert (trained.returncode, planned.returncode) == (2, 2), (flags, trained.stderr, planned.stderr)
+        assert len(lines[0]) == 1 and lines[0] == lines[1], (flags, lines)
+        assert "Traceback" not in trained.stderr + planned.stderr, flags
 
 
 @pytest.mark.slow

@@ -4,6 +4,14 @@ No torch here: the command line's parser reads the defaults before anything heav
 from __future__ import annotations
 
 import dataclasses
+import math
+
+from ..errors import ConfigError
+
+# Each figure's flag, and whether 0 is a figure a machine can have (a restart that takes no time can).
+FLAGS = {"tflops": "--tflops", "link_gbps": "--link-gbps", "node_gbps": "--node-gbps", "copy_gbs": "--copy-gbs",
+         "write_gbs": "--write-gbs", "start_seconds": "--start-seconds", "rank_mttf_hours": "--rank-mttf-hours",
+         "memory_per_rank_gb": "--memory-per-rank"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,3 +27,17 @@ class Hardware:
     rank_mttf_hours: float = 50_000.0  # one GPU's mean time to failure (Llama 3: 419 unexpected
     # interruptions in 54 days on 16,384 GPUs, a job MTTF of 3.1 h)
     memory_per_rank_gb: float | None = None  # refuse a plan whose peak is above it
+
+    def check(self) -> None:
+        """ConfigError (one line, exit 2) for a figure no machine has, before anything is planned:
+        a rate or a lifetime that is not a finite number above 0 would divide by zero (or plan
+        forever) after the ranks ran; a start-up that is negative; a memory limit that is not above 0."""
+        for name in FLAGS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            least_ok = 0.0 if name == "start_seconds" else math.nextafter(0.0, 1.0)
+            if not (math.isfinite(value) and value >= least_ok):
+                needs = "a number >= 0" if name == "start_seconds" else "a finite number > 0"
+                raise ConfigError(f"{FLAGS[name]} must be {needs}, got {value:g} (a figure of the machine planned "
+                                  "for; leave it out for the default)")

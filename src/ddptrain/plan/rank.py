@@ -33,7 +33,7 @@ from ..data.sampling import StepSampler
 from ..data.streams import is_stream
 from ..observe.metrics import GradNorms, RankTimings
 from ..observe.throughput import FlopCount
-from ..optim import build_optimizer
+from ..optim import build_optimizer, build_schedule, run_steps
 from ..parallel import make_strategy
 from ..parallel.base import Strategy, find_blocks
 from ..resilience.guard import NonFiniteGuard
@@ -215,9 +215,13 @@ def _step(task: Task, cfg: RunConfig, ctx: DistContext, strategy: Strategy, mode
     trained = [p for p in params if p.requires_grad]
     optimizer = task.make_optimizer(trained) if task.make_optimizer else build_optimizer(trained, cfg.optim)
     batches = training_batches(task.train_set, cfg.training, ctx, task.collate_fn, None)
+    # the Trainer's own schedule, so that a schedule train refuses (a decay over a stream's unknown
+    # length) is refused here too, in the same line
+    schedule = build_schedule(optimizer, cfg.optim, run_steps(cfg.training, batches.steps_per_epoch),
+                              task.make_scheduler)
     return OptimizerStep(
         task=task, ctx=ctx, strategy=strategy, model=model, module=module, params=params, optimizer=optimizer,
-        scheduler=None, scaler=torch.amp.GradScaler("cuda", enabled=False), average=None, batches=batches,
+        scheduler=schedule, scaler=torch.amp.GradScaler("cuda", enabled=False), average=None, batches=batches,
         watchdog=ctx.watchdog, timings=RankTimings(params), flops=FlopCount(),
         grad_norms=GradNorms(ctx.device, 64, counts=strategy.counts_gradients, carries=ctx.is_main),
         guard=NonFiniteGuard(cfg.skip_nonfinite), replicas=None, clip_grad=cfg.clip_grad)
