@@ -197,6 +197,11 @@ def test_the_command_refuses_what_would_fail_at_scale_one_line_each():
         code, _, err = _plan("--task", "regression", *flags)
         lines = [line for line in err.splitlines() if line.startswith("ddptrain")]
         assert code == 2 and len(lines) == 1 and words in lines[0] and "Traceback" not in err, (flags, err)
+    # a planned rank whose share of a finite stream is empty: refused (it planned empty epochs forever)
+    code, _, err = _plan("--task", "ddptrain_test_tasks:stream", "--world-size", "4096", "--max-steps", "4",
+                         env=clean_env(STREAM_SAMPLES="64"), timeout=120)
+    lines = [line for line in err.splitlines() if line.startswith("ddptrain")]
+    assert code == 2 and len(lines) == 1 and "rank 4,095 has no training sample" in lines[0], err
     # refused from the plan's figures: each its own line, the plan printed too
     code, out, err = _plan("--task", "regression", "--world-size", "4096", "--memory-per-rank", "1e-9",
                            "--save-every", "1", "--write-gbs", "1e-12")

@@ -31,6 +31,7 @@ from ..data import training_batches
 from ..data.batches import eval_batch_ranges, eval_shard
 from ..data.sampling import StepSampler
 from ..data.streams import is_stream
+from ..errors import ConfigError
 from ..observe.metrics import GradNorms, RankTimings
 from ..observe.throughput import FlopCount
 from ..optim import build_optimizer, build_schedule, run_steps
@@ -159,7 +160,7 @@ class _Run:
 
     def _run_steps(self, tensors: contextlib.AbstractContextManager[Any]) -> None:
         self.activations, self.collectives = ActivationProbe(self.module), CollectiveCount()
-        groups = _epochs(self.step.batches)
+        groups = _epochs(self.step.batches, self.step.ctx.rank, self.step.ctx.world_size)
         for index in range(self.steps - 1):
             group = next(groups)
             with tensors, self.activations if index == 0 else contextlib.nullcontext():
@@ -196,11 +197,20 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(tensor_bytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
 
 
-def _epochs(batches: Any) -> Iterator[list[Any]]:
-    """The optimizer steps' micro-batches, epoch after epoch (a plan may outlast a small set's epoch)."""
+def _epochs(batches: Any, rank: int, world_size: int) -> Iterator[list[Any]]:
+    """The optimizer steps' micro-batches, epoch after epoch (a plan may outlast a small set's epoch).
+    A rank whose share of a stream is empty finds no step in an epoch (the fake group's agreement
+    on a step's count is its own count alone): ConfigError, where it looped over empty epochs."""
     for epoch in itertools.count():
         batches.set_epoch(epoch)
-        yield from batches.steps()
+        stepped = False
+        for group in batches.steps():
+            stepped = True
+            yield group
+        if not stepped:
+            raise ConfigError(f"rank {rank:,} has no training sample in an epoch: its share of the stream is empty "
+                              f"on {world_size:,} ranks (a rank without one only runs stand-ins); use fewer ranks, "
+                              "or a stream with more samples or shards")
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
