@@ -192,6 +192,8 @@ def test_the_command_refuses_what_would_fail_at_scale_one_line_each():
         ("--nnodes", "2", "--nproc-per-node", "0"): "--nproc-per-node must be at least 1, got 0",
         ("--nnodes", "0"): "--nnodes must be at least 1, got 0",
         ("--world-size", "0"): "--world-size must be at least 1, got 0",
+        # a world this machine cannot simulate (torch's bookkeeping of a billion ranks: its OOM killer)
+        ("--world-size", "1000000000"): "planned rank(s) would need about 1,200 GB here for the world alone",
     }
     for flags, words in before.items():
         code, _, err = _plan("--task", "regression", *flags)

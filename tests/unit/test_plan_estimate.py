@@ -119,3 +119,14 @@ def test_refusals_name_each_problem_in_a_line():
     assert [line.split(" ")[0:2] for line in found] == [["rank", "63"], ["a", "rank"], ["--save-every", "10"]]
     assert "raise --save-every to at least 46" in found[2]
     assert refusals(plan | {"ranks": plan["ranks"][:1]}, RunConfig(), Hardware()) == []
+
+
+def test_a_world_too_large_to_simulate_here_is_refused_with_what_it_would_need():
+    from ddptrain.plan.job import BYTES_PER_WORLD_RANK, check_world_fits_here
+
+    check_world_fits_here(16_384, 2, 2 * 10**9)  # the docs' largest plans: a few MB of world
+    check_world_fits_here(10**9, 2, None)  # (no MemAvailable: not checked)
+    with pytest.raises(ConfigError, match=r"--world-size 1,000,000,000: .* plan at most 1,666,666 ranks here "
+                                          r"\(3,333,333 planning one rank: --ranks 0\)"):
+        check_world_fits_here(10**9, 2, 2 * 10**9)
+    assert BYTES_PER_WORLD_RANK * 10**6 < 10**9  # a million ranks fit in a GB (measured: 895 MB, the whole rank)
