@@ -20,6 +20,7 @@ from ..parallel.base import replica_groups
 from ..settings import RunConfig
 from .estimate import HEADROOM, control_plane, goodput, snapshot_interval_s, snapshot_seconds, step_seconds
 from .hardware import Hardware
+from .memory import available_memory
 from .rank import RankFigures, Target, plan_rank
 
 
@@ -115,18 +116,6 @@ def check_world_fits_here(world_size: int, ranks_at_once: int, available: int | 
                           f"{needed / 1e9:,.0f} GB here for the world alone (torch keeps about "
                           f"{BYTES_PER_WORLD_RANK} bytes a rank of the world in each), above this machine's "
                           f"{available / 1e9:.0f} GB available; plan at most {most:,} ranks here{alone}")
-
-
-def available_memory() -> int | None:
-    """This machine's MemAvailable, in bytes (None where /proc/meminfo does not say)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def plan_ranks(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], steps: int,

@@ -87,3 +87,15 @@ class LiveTensors(TorchDispatchMode):
 
     def _freed(self, key: int) -> None:
         self.live -= self.sizes.pop(key, 0)
+
+
+def available_memory() -> int | None:
+    """This machine's memory available now (MemAvailable), in bytes; None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

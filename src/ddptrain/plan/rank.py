@@ -43,7 +43,7 @@ from ..snapshots.rng import capture_rng
 from ..step import OptimizerStep
 from ..tasks.protocol import Task
 from .fake_group import as_rank, fake_tensors, plan_comm_hook
-from .memory import LiveTensors
+from .memory import LiveTensors, available_memory
 
 KINDS = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
          "c10d::_reduce_scatter_base_": "reduce_scatter", "c10d::allgather_": "all_gather",
@@ -147,6 +147,8 @@ class _Run:
                                        compile=False)
         self.strategy = make_strategy(parallel, ctx, cfg.precision)
         self.module = self.task.model
+        if fake and cfg.strategy == "ddp":
+            _check_ddp_buckets_fit(self.module)
         model = self.strategy.wrap(self.module, self.task)
         ddp = isinstance(model, DistributedDataParallel)
         if ctx.backend == "fake" and isinstance(model, DistributedDataParallel):
@@ -190,6 +192,20 @@ class _Run:
         if not self.first_step_counted or before is None:
             return self.memory.peak
         return max(self.memory.peak, before + _state_bytes(self.step.optimizer))
+
+
+def _check_ddp_buckets_fit(module: torch.nn.Module) -> None:
+    """--fake-tensors under DDP: DDP's reducer allocates its gradient buckets, as large as the
+    trained parameters, in real memory when it wraps the model, whatever tensors the model holds
+    (it reads them to check the ranks' shapes and to lay the buckets out): ConfigError (one line)
+    where they would not fit here, where they were an allocation's traceback."""
+    buckets = sum(tensor_bytes(p) for p in module.parameters() if p.requires_grad)
+    available = available_memory()
+    if available is not None and buckets > available:
+        raise ConfigError(f"--fake-tensors under --strategy ddp: DDP allocates its gradient buckets in real memory "
+                          f"when it wraps the model ({buckets / 1e9:,.1f} GB for this one), above this machine's "
+                          f"{available / 1e9:.0f} GB available; plan it under --strategy fsdp (whose shards are "
+                          "fake), or on a machine with that memory")
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
