@@ -1,10 +1,11 @@
-"""Test tasks for run dirs on object storage: rank 0 dies after a snapshot's files reached the
-store but before its manifest did. Named as ``--task storage_tasks:NAME``."""
+"""Test tasks for where snapshots go: rank 0 dies after a snapshot's files reached the store but
+before its manifest did; a disk whose snapshot writes are slow. Named as ``--task storage_tasks:NAME``."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 from ddptrain import Task
@@ -31,3 +32,19 @@ def cut_before_manifest(cfg) -> Task:
             commit(self, name)
         StoreRunDir.commit_snapshot = cut  # type: ignore[method-assign]
     return regression_task(cfg)
+
+
+def slow_writes(cfg) -> Task:
+    """The regression task, each step sleeping STEP_SLEEP seconds, on a disk where writing a
+    snapshot file takes WRITE_SLEEP seconds more (behind the training, in the writer's thread)."""
+    from ddptrain.snapshots import files
+
+    write, pause = files.write_snapshot, float(os.environ["WRITE_SLEEP"])
+
+    def slow(*args, **kwargs):
+        time.sleep(pause)
+        return write(*args, **kwargs)
+    files.write_snapshot = slow  # type: ignore[assignment]
+    from ddptrain_test_tasks import paced
+
+    return paced(cfg)

@@ -58,6 +58,13 @@ def test_snapshot_intervals_follow_the_checkpointer():
     assert snapshot_interval_s(SnapshotSettings(save_every=0, save_seconds=0), 0.2, snapshot, 3600) == math.inf
     assert goodput(3600, math.inf, snapshot, 60) is None
     assert goodput(3600, 20, snapshot, 60) == restart_goodput(3600, 20, 0.5, 60)
+    # a write longer than the interval by time: the interval is the write's (the checkpointer
+    # lengthens it once a snapshot has waited), by --mttf-hours' Young's rule as by --save-seconds
+    slow = {"blocking_s": 0.001, "write_s": 47.8}
+    assert snapshot_interval_s(SnapshotSettings(mttf_hours=3), 0.2, slow, 3 * 3600) == pytest.approx(47.8)
+    assert snapshot_interval_s(SnapshotSettings(mttf_hours=3), 0.2, slow, 3 * 3600, writes=False) == pytest.approx(
+        math.sqrt(2 * 0.001 * 3 * 3600))
+    assert snapshot_interval_s(SnapshotSettings(save_seconds=10), 0.2, slow, 3600) == pytest.approx(47.8)
 
 
 def test_the_control_plane_is_the_watchdog_s_periods():

@@ -52,17 +52,21 @@ def snapshot_seconds(rank_bytes: int, total_bytes: int, hw: Hardware) -> dict[st
     return {"blocking_s": rank_bytes / (hw.copy_gbs * GB), "write_s": total_bytes / (hw.write_gbs * GB)}
 
 
-def snapshot_interval_s(settings: Any, step_s: float, snapshot: dict[str, float], job_mttf_s: float) -> float:
+def snapshot_interval_s(settings: Any, step_s: float, snapshot: dict[str, float], job_mttf_s: float,
+                        writes: bool = True) -> float:
     """Seconds of training between snapshots as checkpointer.py spaces them: --save-every's
     steps, and by time --save-seconds stretched to 50x the blocking time, or Young's interval
-    under --mttf-hours; the sooner of the two."""
+    under --mttf-hours, either no shorter than a write (the next snapshot would wait for it:
+    the checkpointer lengthens the interval once it has waited); the sooner of the two.
+    ``writes=False``: by time as if a write took no time (what the write lengthened, for the note)."""
     intervals = []
+    write_s = snapshot["write_s"] if writes else 0.0
     if settings.save_every:
         intervals.append(settings.save_every * step_s)
     if settings.mttf_hours:
-        intervals.append(best_interval_s(job_mttf_s, snapshot["blocking_s"]))
+        intervals.append(best_interval_s(job_mttf_s, snapshot["blocking_s"], write_s))
     elif settings.save_seconds:
-        intervals.append(max(settings.save_seconds, snapshot["blocking_s"] / MAX_SNAPSHOT_SHARE))
+        intervals.append(max(settings.save_seconds, snapshot["blocking_s"] / MAX_SNAPSHOT_SHARE, write_s))
     return min(intervals) if intervals else math.inf
 
 

@@ -80,6 +80,7 @@ def make_plan(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], hw
     snapshot = snapshot_seconds(max(f.snapshot_bytes for f in figures), total_snapshot, hw)
     job_mttf_s = cfg.mttf_hours * 3600 if cfg.mttf_hours else hw.rank_mttf_hours * 3600 / target.world_size
     interval = snapshot_interval_s(cfg.snapshots, timing["step_s_serial"], snapshot, job_mttf_s)
+    unwritten = snapshot_interval_s(cfg.snapshots, timing["step_s_serial"], snapshot, job_mttf_s, writes=False)
     plane = control_plane(target.world_size, cfg.timeout)
     # a restart: the failure's detection, the start, the restore (reading what was written)
     restart_s = plane["failure_to_exit_s"] + hw.start_seconds + snapshot["write_s"]
@@ -95,7 +96,10 @@ def make_plan(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], hw
                  "job_mttf_s": job_mttf_s, "restart_s": restart_s,
                  "goodput": goodput(job_mttf_s, interval, snapshot, restart_s)},
         "control_plane": plane,
-        "notes": notes(cfg, target, figures),
+        "notes": notes(cfg, target, figures) + ([
+            f"snapshots by time every {interval:.3g} s, the time a snapshot's write takes at --write-gbs "
+            f"{hw.write_gbs:g}: {'Young' + chr(39) + 's interval' if cfg.mttf_hours else '--save-seconds'} "
+            f"({unwritten:.3g} s) would have each wait for the one before"] if interval > unwritten else []),
     }
 
 

@@ -30,6 +30,9 @@ from . import files, rng
 from .restore import Snapshot
 
 MAX_SNAPSHOT_SHARE = 0.02  # of training time, at most, spent on the training path saving
+# A snapshot that waited longer than this for the previous one's write found the write outlasting
+# the interval between them (a write already done answers in microseconds).
+WRITE_WAIT_NOTICED_S = 0.01
 
 
 class Stateful(Protocol):
@@ -102,8 +105,10 @@ class Checkpointer:
         self.on_committed, self.announced_step = on_committed, self.saved_step
         self.saved_progress: dict[str, Any] = {}
         self.last_saved_at = time.perf_counter()
-        self.cost_s = 0.0  # the most a snapshot has cost the training path (rank 0)
+        self.cost_s = 0.0  # the most a snapshot has cost the training path (rank 0), waits for a write aside
+        self.write_s = 0.0  # the longest a write was seen to take (one that outlasted the interval after it)
         self.told_interval = False  # --mttf-hours: the interval it chose, said once
+        self.told_save_every = False  # --save-every shorter than a write: said once
 
     # --- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -143,10 +148,11 @@ class Checkpointer:
     def interval_s(self) -> float:
         """Seconds of training between snapshots by time: --save-seconds, stretched so snapshots
         cost at most 2% of the training; with --mttf-hours, once a snapshot's cost is known,
-        Young's interval from it (the costliest snapshot's: the first includes one-off work)."""
+        Young's interval from it (the costliest snapshot's: the first includes one-off work).
+        Never shorter than a write that was seen to outlast it: the next snapshot would wait for it."""
         if self.snapshots.mttf_hours and self.cost_s:
-            return best_interval_s(self.snapshots.mttf_hours * 3600, self.cost_s)
-        return max(self.snapshots.save_seconds, self.cost_s / MAX_SNAPSHOT_SHARE)
+            return best_interval_s(self.snapshots.mttf_hours * 3600, self.cost_s, self.write_s)
+        return max(self.snapshots.save_seconds, self.cost_s / MAX_SNAPSHOT_SHARE, self.write_s)
 
     # --- saving ----------------------------------------------------------------------------
     def wants(self, global_step: int) -> bool:
@@ -165,9 +171,9 @@ class Checkpointer:
         rank knows that snapshot was committed, and checks that it can see it (shared storage)."""
         if not self.wants(global_step):
             return
-        started = time.perf_counter()
         if self.writer is not None:
-            self.writer.wait()
+            self._wait_for_the_last_write()
+        started = time.perf_counter()
         with self.marks.waiting("snapshot: gathering every rank's random state", global_step):
             rng_states = rng.gather_rng_states(self.ctx.world_size, self.group)
         by_rank = self._gather_per_rank(global_step)
@@ -192,6 +198,28 @@ class Checkpointer:
             self.told_interval = True  # (the first snapshot's cost is known: the interval it sets, said once)
             say(f"ddptrain: snapshots every {self.interval_s():.3g} s of training from now (--mttf-hours "
                 f"{self.snapshots.mttf_hours:g}: Young's interval for a snapshot that blocks {self.cost_s:.3g} s)")
+
+    def _wait_for_the_last_write(self) -> None:
+        """The previous snapshot's write, finished. One that outlasted the interval since (this
+        snapshot waited for it) took at least that interval and the wait: snapshots by time are
+        spaced by it from now on, and a --save-every shorter than it is said, once (rank 0)."""
+        before, interval = time.perf_counter(), self.interval_s()
+        self.writer.wait()
+        waited = time.perf_counter() - before
+        if waited < WRITE_WAIT_NOTICED_S:
+            return
+        took = time.perf_counter() - self.last_saved_at
+        self.write_s = max(self.write_s, took)
+        if not self.ctx.is_main:
+            return
+        if self.snapshots.save_seconds and self.interval_s() > interval:
+            say(f"ddptrain: a snapshot's write took {took:.3g} s, longer than the {interval:.3g} s between "
+                f"snapshots by time: one every {self.interval_s():.3g} s of training from now")
+        if self.snapshots.save_every and not self.told_save_every:
+            self.told_save_every = True
+            say(f"ddptrain: a snapshot waited {waited:.3g} s for the previous one's write ({took:.3g} s): "
+                f"--save-every {self.snapshots.save_every} starts them faster than they are written; raise it "
+                "(each such snapshot holds the training up by its wait)")
 
     def _gather_per_rank(self, global_step: int) -> dict[str, list[Any]]:
         """Every rank's per-rank states, as lists by rank on rank 0 (which writes them)."""
