@@ -38,6 +38,8 @@ def prepare(task: str | TaskFactory | None, options: Mapping[str, Any],
         settings["task"] = task
     cfg = from_options(settings)
     validate(cfg)
+    if cfg.run_dir:  # a URL that cannot work: one line before the task's import pulls in torch
+        RunDir.of(cfg.run_dir).check_url()
     if cfg.trackers():
         from .observe.trackers import check_installed, check_settings
 

@@ -84,6 +84,9 @@ class RunDir:
         """Where ``name`` in the run dir is, as a user reads it (and ``--resume`` takes it)."""
         return str(self.local / name)
 
+    def check_url(self, flag: str = "--run-dir") -> None:
+        """The location's shape, asking nothing of disk or network (a folder has none to check)."""
+
     def check(self, flag: str = "--run-dir") -> None:
         """Before any rank starts, as one line: a store's URL, client, credentials and bucket."""
 
