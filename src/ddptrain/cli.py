@@ -313,7 +313,9 @@ def plan_command(args: argparse.Namespace) -> int:
                           "steps before are not steady: DDP rebuilds its buckets and shares their order in its "
                           f"second); give --steps {fewest} or more")
     cfg = with_global_batch(cfg, target, args.global_batch)
-    found = make_plan(cfg, factory, target, chosen_ranks(args.ranks, target.world_size), hw, steps, args.fake_tensors)
+    shown = sys.stderr if sys.stderr.isatty() and not args.json else None  # what each rank is doing, meanwhile
+    found = make_plan(cfg, factory, target, chosen_ranks(args.ranks, target.world_size), hw, steps, args.fake_tensors,
+                      shown)
     refused = refusals(found, cfg, hw)
     if args.json:
         print(json.dumps({**found, "refusals": refused}, indent=2))

@@ -335,3 +335,68 @@ def test_ddp_with_fake_tensors_refuses_a_model_whose_buckets_do_not_fit_here_in_
     lines = [line for line in err.splitlines() if line.startswith("ddptrain")]
     assert code == 2 and "Traceback" not in err and len(lines) == 1, err
     assert "DDP allocates its gradient buckets in real memory when it wraps the model (40.0 GB" in lines[0], err
+
+
+def _plan_on_a_terminal(*args: str) -> tuple[int, str, list[tuple[float, str]]]:
+    """The installed command with its stderr on a terminal (a pseudo-terminal): its exit status,
+    its stdout, and each stderr line with when it came."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import time
+
+    from helpers.commands import BIN
+
+    leader, follower = pty.openpty()
+    env = clean_env(DDPTRAIN_PLAN_PROGRESS_S="0.5")
+    process = subprocess.Popen([str(BIN / "ddptrain"), "plan", *args], stdout=subprocess.PIPE, stderr=follower,
+                               stdin=subprocess.DEVNULL, env=env, text=True)
+    os.close(follower)
+    lines: list[tuple[float, str]] = []
+    pending, started = b"", time.monotonic()
+    while time.monotonic() - started < 240:
+        ready, _, _ = select.select([leader], [], [], 1.0)
+        if not ready:
+            if process.poll() is not None:
+                break
+            continue
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # (the terminal's last writer is gone)
+            break
+        if not chunk:
+            break
+        pending += chunk
+        *complete, pending = pending.split(b"\n")
+        lines += [(time.monotonic(), line.decode().rstrip("\r")) for line in complete]
+    os.close(leader)
+    out = process.stdout.read() if process.stdout else ""
+    return process.wait(timeout=60), out, lines
+
+
+@pytest.mark.slow
+def test_a_plan_on_a_terminal_says_what_each_rank_is_doing_every_few_seconds_and_nothing_with_json():
+    """#77 item 6: a plan said nothing until its end (166 s at 16,384 ranks with fake tensors). On
+    a terminal, a line every interval (0.5 s here; 3 s by default) names what each planned rank is
+    doing; with --json, stdout is the JSON alone and stderr gets no progress line."""
+    flags = ("--world-size", "1024", "--strategy", "fsdp", "--task", "plan_tasks:wide_mlp", "--steps", "3")
+    code, out, lines = _plan_on_a_terminal(*flags)
+    progress = [(at, line) for at, line in lines if line.startswith("ddptrain plan, ")]
+    assert code == 0 and out.startswith("plan: fsdp on 1,024 ranks"), (code, out, lines)
+    assert progress, lines
+    phases = ("joining the world", "building the task", "wrapping the model (--strategy fsdp)",
+              "building the optimizer and the batches", "at step 1 of 3", "at step 2 of 3",
+              "at step 3 of 3, measured", "measuring what it holds and writes", "done", "not started yet")
+    for _, line in progress:  # ranks 0 and 1023, each doing one of the phases, for so long
+        for part in line.split(": ", 1)[1].split("; "):
+            who = next((p for p in ("ranks 0, 1023 ", "rank 0 ", "rank 1023 ") if part.startswith(p)), None)
+            assert who, line
+            what = part[len(who):]
+            assert what == "not started yet" or what.rsplit(" (", 1)[0] in phases, line
+    assert any(phase in line for _, line in progress for phase in phases[2:-1]), progress
+    gaps = [later - earlier for (earlier, _), (later, _) in zip(progress, progress[1:])]
+    assert max(gaps, default=0) < 3, gaps
+    code, out, lines = _plan_on_a_terminal(*flags, "--json")
+    assert code == 0 and json.loads(out)["target"]["world_size"] == 1024
+    assert not [line for _, line in lines if line.startswith("ddptrain plan, ")], lines

@@ -137,3 +137,19 @@ def test_a_world_too_large_to_simulate_here_is_refused_with_what_it_would_need()
                                           r"\(3,333,333 planning one rank: --ranks 0\)"):
         check_world_fits_here(10**9, 2, 2 * 10**9)
     assert BYTES_PER_WORLD_RANK * 10**6 < 10**9  # a million ranks fit in a GB (measured: 895 MB, the whole rank)
+
+
+def test_the_plan_s_progress_line_groups_the_ranks_by_what_they_are_doing():
+    import io
+    import queue
+
+    from ddptrain.plan.progress import Progress
+
+    progress = Progress(queue.Queue(), [0, 1, 2, 3, 4, 5, 6, 100], io.StringIO())
+    start = progress.started
+    for rank in (0, 1, 2, 3, 4, 5):
+        progress.phases[rank] = ("at step 1 of 3", start + 1 + rank)
+    progress.phases[100] = ("done", start + 2)
+    progress.waiting -= {0, 1, 2, 3, 4, 5, 100}
+    assert progress.line(start + 9.2) == ("ddptrain plan, 9 s: ranks 0, 1, 2, 3 and 2 more at step 1 of 3 (8 s); "
+                                          "rank 100 done (7 s); rank 6 not started yet")

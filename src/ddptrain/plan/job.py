@@ -9,8 +9,9 @@ no process group is joined, no run dir made, no snapshot read.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -21,6 +22,7 @@ from ..settings import RunConfig
 from .estimate import HEADROOM, control_plane, goodput, snapshot_interval_s, snapshot_seconds, step_seconds
 from .hardware import Hardware
 from .memory import available_memory
+from .progress import Progress, listen
 from .rank import RankFigures, Target, plan_rank
 
 
@@ -64,14 +66,15 @@ def steady_step(strategy: str) -> int:
 
 
 def make_plan(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], hw: Hardware,
-              steps: int | None = None, fake: bool = False) -> dict[str, Any]:
+              steps: int | None = None, fake: bool = False, shown: TextIO | None = None) -> dict[str, Any]:
     """The plan: each chosen rank's figures, and the estimates at the target scale (``fake``:
-    with fake tensors, for a model that does not fit this machine)."""
+    with fake tensors, for a model that does not fit this machine; ``shown``: where the ranks'
+    progress goes while they are planned)."""
     if cfg.fault_tolerance == "torchft":
         raise ConfigError("ddptrain plan: with --fault-tolerance torchft each replica group is a job of its own; "
                           "plan one group (its --world-size) without --fault-tolerance")
     steps = steps or steady_step(cfg.strategy) + 1
-    figures = plan_ranks(cfg, factory, target, ranks, steps, fake)
+    figures = plan_ranks(cfg, factory, target, ranks, steps, fake, shown)
     groups = _collective_groups(cfg, target)
     heaviest = max(figures, key=peak_bytes)
     collectives = [{**c, **groups(c)} for c in heaviest.collectives.values()]
@@ -123,14 +126,15 @@ def check_world_fits_here(world_size: int, ranks_at_once: int, available: int | 
 
 
 def plan_ranks(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], steps: int,
-               fake: bool = False) -> list[RankFigures]:
+               fake: bool = False, shown: TextIO | None = None) -> list[RankFigures]:
     """Each chosen rank planned in a fresh process of its own (spawned), as many at once as there
     are cores. Fresh, because a planned rank leaves torch's process-wide state behind: a real FSDP
     job forked afterwards from a process that had planned one wrote a snapshot that DCP refused,
     its ranks' shards overlapping (which of torch's caches keeps the fake world is not pinned
     down; a DeviceMesh compares equal to another of the same shape whatever the rank). At once,
     because each is a whole model's steps: GPT-2's two ranks took 74 s one after the other here,
-    on 2 cores, and 58 s side by side."""
+    on 2 cores, and 58 s side by side. ``shown``: where to say what each is doing, every few
+    seconds (a terminal)."""
     import concurrent.futures
     import multiprocessing
     import os
@@ -138,15 +142,20 @@ def plan_ranks(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], s
     workers = max(1, min(len(ranks), os.cpu_count() or 1))
     check_world_fits_here(target.world_size, workers, available_memory())
     threads = max(1, (os.cpu_count() or 1) // workers)
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                                initializer=_set_threads, initargs=(threads,)) as pool:
+    spawn = multiprocessing.get_context("spawn")
+    said = spawn.Queue() if shown is not None else None
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=spawn, initializer=_start_planner,
+                                                initargs=(threads, said)) as pool, \
+            Progress(said, ranks, shown) if shown is not None else contextlib.nullcontext():
         return list(pool.map(plan_rank, *zip(*[(cfg, factory, target, rank, steps, fake) for rank in ranks])))
 
 
-def _set_threads(count: int) -> None:
+def _start_planner(threads: int, said: Any) -> None:
+    """A planned rank's process: its threads, and where it says what it is doing (plan/progress.py)."""
     import torch
 
-    torch.set_num_threads(count)
+    torch.set_num_threads(threads)
+    listen(said)
 
 
 def peak_bytes(f: RankFigures) -> int:

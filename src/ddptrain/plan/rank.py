@@ -44,6 +44,7 @@ from ..step import OptimizerStep
 from ..tasks.protocol import Task
 from .fake_group import as_rank, fake_tensors, plan_comm_hook
 from .memory import LiveTensors, available_memory
+from .progress import doing, now_planning
 
 KINDS = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
          "c10d::_reduce_scatter_base_": "reduce_scatter", "c10d::allgather_": "all_gather",
@@ -98,6 +99,7 @@ def plan_rank(cfg: RunConfig, factory: Any, target: Target, rank: int, steps: in
               fake: bool = False) -> RankFigures:
     """Rank ``rank`` of ``target`` for ``steps`` optimizer steps, through the fake process group
     (``fake``: with fake tensors, fake_group.py)."""
+    now_planning(rank)
     with as_rank(rank, target.world_size):
         ctx = DistContext(rank, target.world_size, rank % target.nproc_per_node, target.nproc_per_node,
                           torch.device("cpu"), "fake")
@@ -108,9 +110,10 @@ def measure_rank(cfg: RunConfig, factory: Any, ctx: DistContext, steps: int = 2,
     """What this rank of the process group it is in (the fake one, or a real one to check the
     plan by) holds and sends over ``steps`` optimizer steps (the last one's collectives counted)."""
     run = _Run(cfg, factory, ctx, steps, fake)
+    doing("measuring what it holds and writes")
     module, optimizer, strategy = run.module, run.step.optimizer, run.strategy
     generators = _serialised(capture_rng())  # (snapshots/rng.py)
-    return RankFigures(
+    figures = RankFigures(
         rank=ctx.rank, parameters=sum(_local(p).numel() for p in module.parameters()),
         parameter_bytes=sum(tensor_bytes(p) for p in module.parameters()),
         gradient_bytes=sum(tensor_bytes(p.grad) for p in module.parameters() if p.grad is not None),
@@ -124,6 +127,8 @@ def measure_rank(cfg: RunConfig, factory: Any, ctx: DistContext, steps: int = 2,
         flops_per_step=run.step.flops.per_step or 0, collectives=run.collectives.table(),
         allocated_peak_bytes=run.peak_bytes(), steps_run=run.steps,
         **_data_shares(run.task, run.cfg, ctx, strategy, run.step.batches.steps_per_epoch))
+    doing("done")
+    return figures
 
 
 class _Run:
@@ -139,6 +144,7 @@ class _Run:
         # buckets, the gradients' size, are real memory then), nor a stream's (its steps agree
         # on their counts)
         tensors = fake_tensors() if fake else contextlib.nullcontext()
+        doing("building the task")
         with tensors:
             self.task = tasks.build(cfg, factory)
         self.cfg = cfg = cfg.with_task_defaults(self.task.defaults)
@@ -149,10 +155,12 @@ class _Run:
         self.module = self.task.model
         if fake and cfg.strategy == "ddp":
             _check_ddp_buckets_fit(self.module)
+        doing(f"wrapping the model (--strategy {cfg.strategy})")
         model = self.strategy.wrap(self.module, self.task)
         ddp = isinstance(model, DistributedDataParallel)
         if ctx.backend == "fake" and isinstance(model, DistributedDataParallel):
             model.register_comm_hook(None, plan_comm_hook(cfg.comm_hook))
+        doing("building the optimizer and the batches")
         self.step = _step(self.task, cfg, ctx, self.strategy, model, self.module)
         stream = is_stream(self.task.train_set)
         if stream:  # its first step also agrees on a stand-in batch (W + 2 numbers)
@@ -164,11 +172,13 @@ class _Run:
         self.activations, self.collectives = ActivationProbe(self.module), CollectiveCount()
         groups = _epochs(self.step.batches, self.step.ctx.rank, self.step.ctx.world_size)
         for index in range(self.steps - 1):
+            doing(f"at step {index + 1} of {self.steps}")
             group = next(groups)
             with tensors, self.activations if index == 0 else contextlib.nullcontext():
                 self.step.run(group, index)
         self.memory = LiveTensors(self._held())
         hook = self.step.optimizer.register_step_pre_hook(self.memory.optimizer_begins)
+        doing(f"at step {self.steps} of {self.steps}, measured")
         with self.collectives, self.memory:  # (a stream's batches start the step's agreement on its count)
             group = next(groups)
             with tensors, self.activations if self.steps == 1 else contextlib.nullcontext():
