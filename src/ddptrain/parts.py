@@ -141,7 +141,7 @@ def build_parts(task: Task, cfg: RunConfig, ctx: DistContext) -> RunParts:
     cfg = cfg.with_task_defaults(task.defaults).with_run_dir()  # lr, optimizer, ... the user left unset
     home = RunDir.of(cfg.run_dir)
     strategy = make_strategy(cfg.parallel, ctx, cfg.precision, torchft=cfg.fault_tolerance == "torchft")
-    uploads = rank_uploader(home, cfg.keep, ctx, shards_in_files=strategy.snapshot_format == "dcp")
+    uploads = rank_uploader(home, cfg.keep, ctx)
     module, model, cpu_group = wrap_model(task, cfg, ctx, strategy)
     params = list(model.parameters())
     optimizer, average, scaler = build_optimizing(task, cfg, ctx, module, params)

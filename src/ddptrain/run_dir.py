@@ -48,6 +48,24 @@ def snapshot_name(global_step: int, folder: bool = False) -> str:
     return f"step-{global_step:09d}" + ("" if folder else ".pt")
 
 
+def snapshot_member(name: str, relative: str) -> str:
+    """Where a file of snapshot ``name`` lies in the snapshots folder: a DCP folder's inside it, a
+    file snapshot's ranks' parts (``ranks/...``: snapshots/rank_parts.py) beside it in ``step-N.ranks/``,
+    and ``""`` the file itself."""
+    if not relative:
+        return name
+    if name.endswith(".pt"):
+        return f"{name.removesuffix('.pt')}.{relative}"
+    return f"{name}/{relative}"
+
+
+def snapshot_paths(name: str) -> list[str]:
+    """What snapshot ``name`` occupies in the snapshots folder: a file's parts' folder, then itself
+    (removed in this order, a removal cut short leaves the file: a snapshot without its manifest,
+    which the next rotation or start removes, with what is left of its parts)."""
+    return [snapshot_member(name, "ranks"), name] if name.endswith(".pt") else [name]
+
+
 def snapshot_number(name: str) -> int:
     """The global step in a snapshot's name (``step-000000042.pt``, ``step-000000042``)."""
     return int(SNAPSHOT_NAME.match(name).group(1))  # type: ignore[union-attr]  # named by that pattern
@@ -303,8 +321,11 @@ class StoreRunDir(RunDir):
         if self._store.isdir(prefix):
             found = self._store.find(prefix, detail=True)
             listing = {path[len(prefix) + 1:]: info["size"] for path, info in found.items()}
-        else:
-            listing = {"": self._store.info(prefix)["size"]}
+        else:  # a file, and its ranks' parts beside it
+            parts = self._path(f"snapshots/{snapshot_member(name, 'ranks')}")
+            found = self._store.find(parts, detail=True) if self._store.isdir(parts) else {}
+            listing = {"": self._store.info(prefix)["size"],
+                       **{f"ranks/{path[len(parts) + 1:]}": info["size"] for path, info in found.items()}}
         manifest = {"snapshot": name, "files": listing, "committed_at": time.time()}
         self._store.pipe_file(self._path(f"snapshots/{name}{MANIFEST}"), json.dumps(manifest).encode())
 
@@ -314,11 +335,18 @@ class StoreRunDir(RunDir):
         committed = self.committed()
         for old in committed[:-keep]:
             self.remove(f"snapshots/{old}{MANIFEST}")
-            self.remove(f"snapshots/{old}")
+            for path in snapshot_paths(old):
+                self.remove(f"snapshots/{path}")
         newest = snapshot_number(committed[-1]) if committed else -1
         for orphan in self.uncommitted():
             if snapshot_number(orphan) < newest:
-                self.remove(f"snapshots/{orphan}")
+                for path in snapshot_paths(orphan):
+                    self.remove(f"snapshots/{path}")
+        names = set(self.names("snapshots"))
+        for parts in [n for n in names if n.startswith("step-") and n.endswith(".ranks")]:
+            file = parts.removesuffix(".ranks") + ".pt"  # parts whose file never came (or went before them)
+            if file not in names and snapshot_number(file) < newest:
+                self.remove(f"snapshots/{parts}")
 
     def pull(self, remove_cut: bool = True) -> list[str]:
         """Make the mirror's snapshots folder hold exactly the store's committed snapshots;
@@ -328,15 +356,19 @@ class StoreRunDir(RunDir):
     def _pull_snapshots(self, local_snapshots: Path, remove_cut: bool) -> list[str]:
         cut = self.uncommitted()
         for name in cut if remove_cut else []:
-            self.remove(f"snapshots/{name}")
+            for path in snapshot_paths(name):
+                self.remove(f"snapshots/{path}")
         shutil.rmtree(local_snapshots, ignore_errors=True)
         local_snapshots.mkdir(parents=True)
         for name in self.committed():
             manifest = json.loads(self._store.cat_file(self._path(f"snapshots/{name}{MANIFEST}")))
             staging = local_snapshots / f".{name}.download"
-            for relative in manifest["files"]:
-                target = staging / relative if relative else staging
-                self.get(f"snapshots/{name}/{relative}" if relative else f"snapshots/{name}", target)
+            for relative in sorted(manifest["files"], key=lambda r: r == ""):  # a file's parts before it
+                if name.endswith(".pt") and relative:  # beside the file: in place before the file appears
+                    target = local_snapshots / snapshot_member(name, relative)
+                else:
+                    target = staging / relative if relative else staging
+                self.get(f"snapshots/{snapshot_member(name, relative)}", target)
             os.replace(staging, local_snapshots / name)
         return cut
 

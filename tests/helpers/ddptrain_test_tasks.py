@@ -387,3 +387,32 @@ def slow_steps(cfg) -> Task:
 
 
 killed_twice = killed_on_schedule(slow_steps)
+
+
+def noisy_regression(cfg) -> Task:
+    """The regression data through a model with dropout, and a target with noise from torch's,
+    Python's and numpy's generators, each drawn a number of times that differs by rank, so every
+    rank's random states differ from the others': a resume that restored another rank's states, or
+    none, is not bitwise the uninterrupted run (snapshots/rank_parts.py). No evaluation set (dropout
+    would be off there anyway)."""
+    import random
+
+    import numpy as np
+
+    task = regression_task(cfg)
+    task.model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                     torch.nn.Linear(32, 1))
+    task.eval_set, task.loss_fn = None, None
+    rank = int(os.environ.get("RANK", "0"))
+
+    def step(model, batch):
+        inputs, target = batch
+        torch.rand(rank + 1), [random.random() for _ in range(rank + 1)], np.random.rand(rank + 1)
+        scale = 1e-2 * (random.random() + float(np.random.rand()))
+        return F.mse_loss(model(inputs), target + scale * torch.randn_like(target))
+
+    task.step_fn = step
+    return task
+
+
+kill_noisy = killable(noisy_regression)

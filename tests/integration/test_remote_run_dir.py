@@ -58,8 +58,10 @@ def test_ddp_run_killed_and_resumed_on_another_machine_is_bitwise_the_local_run(
     starts = [e["resumed_from"] for e in timeline if e["e"] == "start"]
     assert len(starts) == 2 and starts[0] == 0 < starts[1], starts  # one timeline, across the machines
     snapshots = sorted(path.rsplit("/", 1)[-1] for path in fs.ls("ddp/team/run-1/snapshots"))
-    assert snapshots == ["step-000000095.pt", "step-000000095.pt.manifest", "step-000000096.pt",
-                         "step-000000096.pt.manifest"]  # --keep 2, each with its manifest
+    assert snapshots == KEPT
+    for name in ("step-000000095", "step-000000096"):  # the manifest names the ranks' parts
+        manifest = json.loads(fs.cat_file(f"ddp/team/run-1/snapshots/{name}.pt.manifest"))
+        assert sorted(manifest["files"]) == ["", "ranks/rank-00000-of-00002.pt", "ranks/rank-00001-of-00002.pt"]
 
 
 def test_a_snapshot_cut_before_its_manifest_is_never_loaded(s3_server, tmp_path, local_runs, capfd):
@@ -222,8 +224,14 @@ def _start_cut_run(s3_server, proxy, tmp_path, start, url, outage=None, **more):
 def _stored_weights(s3_server, prefix):
     fs = s3_server.filesystem()
     names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{prefix}/snapshots"))
-    newest = torch.load(io.BytesIO(fs.cat_file(f"{prefix}/snapshots/{names[-2]}")), weights_only=True)
+    newest_file = [name for name in names if name.endswith(".pt")][-1]
+    newest = torch.load(io.BytesIO(fs.cat_file(f"{prefix}/snapshots/{newest_file}")), weights_only=True)
     return names, newest
+
+
+# --keep 2: each snapshot file, its manifest, and its 2 ranks' parts' folder (snapshots/rank_parts.py)
+KEPT = ["step-000000095.pt", "step-000000095.pt.manifest", "step-000000095.ranks",
+        "step-000000096.pt", "step-000000096.pt.manifest", "step-000000096.ranks"]
 
 
 def test_the_store_cut_for_30_s_mid_run_costs_nothing(s3_server, tmp_path, local_runs, start):
@@ -246,14 +254,14 @@ def test_the_store_cut_for_30_s_mid_run_costs_nothing(s3_server, tmp_path, local
     local = local_runs / "ddp"
     assert_same_weights(_remote_model(s3_server, "outage/run"), load_model(local), exact=True)
     names, newest = _stored_weights(s3_server, "outage/run")
-    assert names == ["step-000000095.pt", "step-000000095.pt.manifest", "step-000000096.pt",
-                     "step-000000096.pt.manifest"]  # everything taken during the outage, rotated
+    assert names == KEPT  # everything taken during the outage, rotated
     reference = torch.load(local / "snapshots" / "step-000000096.pt", weights_only=True)
     for part in ("model", "optimizer"):
         assert_same_weights(dict(_flat(newest[part])), dict(_flat(reference[part])), exact=True)
     assert not list(tmp_path.glob("machine/runs/s3/*/.not-uploaded.json"))
     assert sorted(p.name for p in tmp_path.glob("machine/runs/s3/*/snapshots/*")) == [
-        "step-000000095.pt", "step-000000096.pt"]  # the mirror rotated once the store held them
+        "step-000000095.pt", "step-000000095.ranks", "step-000000096.pt", "step-000000096.ranks"
+    ]  # the mirror rotated once the store held them
 
 
 SILENCE_S, END_WAIT_S = 55, 45
@@ -302,7 +310,7 @@ def test_a_store_silent_from_mid_run_into_the_end_is_one_warning_and_the_end_cat
     local = local_runs / "ddp"
     assert_same_weights(_remote_model(s3_server, "silent/run"), load_model(local), exact=True)
     names, newest = _stored_weights(s3_server, "silent/run")
-    assert names[-1] == "step-000000096.pt.manifest", names
+    assert names[-2:] == ["step-000000096.pt.manifest", "step-000000096.ranks"], names
     reference = torch.load(local / "snapshots" / "step-000000096.pt", weights_only=True)
     for part in ("model", "optimizer"):
         assert_same_weights(dict(_flat(newest[part])), dict(_flat(reference[part])), exact=True)
@@ -350,8 +358,9 @@ def test_a_store_still_down_at_the_end_is_one_line_and_a_later_sync_uploads_ever
     proxy.restore()
     again = ddptrain_cli(*OUTAGE_TRAIN, "--run-dir", url, env=env)  # the same command: the mirror's uploads first
     assert again.returncode == 0, again.stderr
-    assert again.stderr.startswith("ddptrain: uploaded 8 file(s) an earlier run on this machine could not "), \
-        again.stderr  # the newest 2 snapshots and their manifests, model.pt, config.json, metrics.jsonl, timeline.jsonl
+    assert again.stderr.startswith("ddptrain: uploaded 12 file(s) an earlier run on this machine could not "), \
+        again.stderr  # the newest 2 snapshots, their 2 ranks' parts and their manifests, model.pt, config.json,
+    # metrics.jsonl, timeline.jsonl
     assert "already finished" in again.stdout, again.stdout
     synced = ddptrain_cli("report", url, "--sync", "store", env=env)
     proxy.close()
@@ -360,8 +369,7 @@ def test_a_store_still_down_at_the_end_is_one_line_and_a_later_sync_uploads_ever
         synced.stdout  # the run files (timeline.jsonl among them) and model.pt again (small): nothing is newer
     assert_same_weights(_remote_model(s3_server, "down/run"), load_model(local_runs / "ddp"), exact=True)
     names, _ = _stored_weights(s3_server, "down/run")
-    assert names == ["step-000000095.pt", "step-000000095.pt.manifest", "step-000000096.pt",
-                     "step-000000096.pt.manifest"]
+    assert names == KEPT
     assert not (mirror / ".not-uploaded.json").exists()
     records = [json.loads(r) for r in s3_server.filesystem().cat_file("down/run/metrics.jsonl").decode().splitlines()]
     assert [r["step"] for r in records if r["kind"] != "step"] == [32, 64, 96, 96]  # (the last: the run's goodput)

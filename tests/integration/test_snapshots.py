@@ -12,6 +12,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from ddptrain import ConfigError, TrainingFailed
 from ddptrain.observe.goodput import read_timeline
@@ -119,7 +120,7 @@ def test_a_write_longer_than_the_interval_lengthens_it_in_one_line(tmp_path, cap
                       r"by time: one every ([\d.]+) s of training from now$", capfd.readouterr().out, re.M)
     assert len(said) == 1, said
     took, before, after = (float(x) for x in said[0])
-    assert took >= 2 and before < 2 and after == took
+    assert took >= 2 and before < 2 and after == pytest.approx(1.1 * took, rel=0.01)  # (a write's headroom)
     by_time = [e for e in read_timeline(tmp_path / "time") if e["e"] == "snapshot"][:-1]  # (the last: the end's)
     waited = [e["t1"] - e["t0"] for e in by_time]  # each snapshot's time on the training path
     assert len(by_time) >= 3 and waited[1] > 1, waited  # (the second waited for the first's write)
@@ -206,7 +207,7 @@ def test_a_fresh_start_in_a_used_folder_owns_it(tmp_path, capfd):
     previous = next(tmp_path.glob("previous-*"))
     assert_same_weights(load_model(previous), first, exact=True)
     assert [r["epoch"] for r in read_metrics(tmp_path)] == [0]
-    assert [p.name for p in (tmp_path / "snapshots").iterdir()] == ["step-000000032.pt"]
+    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == ["step-000000032.pt", "step-000000032.ranks"]
 
 
 @pytest.mark.slow
@@ -369,3 +370,41 @@ def test_rank_0_finishes_its_snapshot_write_when_a_peers_failure_ends_it(tmp_pat
     assert time.monotonic() - started < 3 + 30
     snapshot = files.load_snapshot(tmp_path / "snapshots" / "step-000000010.pt")  # whole, and valid
     assert snapshot["progress"]["global_step"] == 10
+
+
+NOISY = {"max_epochs": 2, "save_every": 5, "momentum": 0.9}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,parts", [("ddp", "step-000000064.ranks"), ("fsdp", "step-000000064/ranks")])
+def test_each_rank_s_random_states_come_back_from_its_own_part_bitwise(tmp_path, strategy, parts):
+    """Each rank writes its random states to its own part of a snapshot (no collective carries them:
+    #77 item 1) and reads back its own: a task whose ranks draw differently from torch's, Python's
+    and numpy's generators (dropout, noise) ends bitwise as the uninterrupted run after a SIGKILL and
+    an elastic restart. The parts lie where the format says, one per rank; and (DDP) a snapshot whose
+    parts were removed resumes with one warning a rank, and ends elsewhere: the test can fail."""
+    options = {**NOISY, "strategy": strategy}
+    fit(TASKS + "noisy_regression", tmp_path / "whole", **options)
+    uninterrupted = load_model(tmp_path / "whole")
+    snapshots = tmp_path / "whole" / "snapshots"
+    assert sorted(p.name for p in (snapshots / parts).iterdir()) == ["rank-00000-of-00002.pt", "rank-00001-of-00002.pt"]
+    env = {**_kill_env(tmp_path, 1, 23), "KILL_ONCE_SAVED": str(tmp_path / "killed-run" / "snapshots")}
+    fit(TASKS + "kill_noisy", tmp_path / "killed-run", env=env, max_restarts=3, **options)
+    assert (tmp_path / "killed").exists(), "the rank was never killed"
+    assert_same_weights(load_model(tmp_path / "killed-run"), uninterrupted, exact=True)
+    if strategy != "ddp":
+        return
+    (tmp_path / "killed").unlink()
+    env = {**env, "KILL_ONCE_SAVED": str(tmp_path / "partless" / "snapshots")}
+    with pytest.raises(TrainingFailed):
+        fit(TASKS + "kill_noisy", tmp_path / "partless", env=env, **options)
+    newest = files.list_snapshots(tmp_path / "partless" / "snapshots")[-1]
+    shutil.rmtree(newest.with_name(f"{newest.stem}.ranks"))
+    result = ddptrain_cli("train", "--task", TASKS + "kill_noisy", "--nproc", "2", "--strategy", "ddp",
+                          "--max-epochs", "2", "--save-every", "5", "--momentum", "0.9",
+                          "--run-dir", str(tmp_path / "partless"))
+    assert_ok(result)
+    warned = [line for line in result.stdout.splitlines() + result.stderr.splitlines() if "no readable part" in line]
+    assert len(warned) == 2, result.stdout + result.stderr
+    assert any(not torch.equal(a, b) for a, b in zip(load_model(tmp_path / "partless").values(),
+                                                      uninterrupted.values()))

@@ -25,7 +25,7 @@ class _Exploit:
 def _good_state(step):
     return {"format_version": files.FORMAT_VERSION, "model": {"w": torch.zeros(2)}, "optimizer": {},
             "progress": {"epoch": 0, "step_in_epoch": step, "global_step": step}, "world_size": 1,
-            "batch_size": 1, "global_batch": 1, "fingerprint": {}, "rng": []}
+            "batch_size": 1, "global_batch": 1, "fingerprint": {}}
 
 
 def test_newest_good_snapshot_wins_over_broken_ones(tmp_path):
@@ -210,3 +210,50 @@ def test_a_resume_keeps_the_sync_mode_and_its_settings():
                             Path("s"))
     hsdp = RunConfig(strategy="hsdp", replicas=2).math_fingerprint(4)  # every step: the groups' count is layout only
     files.check_fingerprint(hsdp, RunConfig(strategy="hsdp", replicas=4).math_fingerprint(4), Path("s"))
+
+
+def test_each_rank_s_part_is_read_from_its_own_file_or_from_a_format_2_snapshot_s_lists(tmp_path):
+    """snapshots/rank_parts.py: a part beside a file snapshot, inside a DCP folder, and (0.1-0.6)
+    the lists by rank in a snapshot's metadata, which still load."""
+    from ddptrain.snapshots import rank_parts
+
+    folder = tmp_path / "snapshots"
+    state = {**_good_state(5), "world_size": 2}
+    for rank in (0, 1):
+        written = rank_parts.write_part(folder, 5, False, rank, 2, {"rng": {"rank": rank}, "data": {"at": rank}})
+        assert written == folder / "step-000000005.ranks" / f"rank-0000{rank}-of-00002.pt"
+    files.atomic_save(state, folder / "step-000000005.pt")
+    path, loaded = files.load_newest(folder)
+    assert [rank_parts.read_part(path, loaded, rank) for rank in (0, 1, 2)] == [
+        {"rng": {"rank": 0}, "data": {"at": 0}}, {"rng": {"rank": 1}, "data": {"at": 1}}, None]
+    rank_parts.write_part(folder, 7, True, 1, 2, {"rng": {"rank": 1}})  # a DCP folder's, before its rename
+    assert (folder / ".step-000000007.partial" / "ranks" / "rank-00001-of-00002.pt").is_file()
+    (folder / ".step-000000007.partial").rename(folder / "step-000000007")
+    assert rank_parts.read_part(folder / "step-000000007", state, 1) == {"rng": {"rank": 1}}
+    assert rank_parts.read_part(folder / "step-000000007", state, 0) is None  # (not written: as absent)
+    old = {**state, "format_version": 2, "rng": [{"r": 0}, {"r": 1}], "data": [{"at": 0}, {"at": 1}]}
+    files.atomic_save(old, folder / "step-000000009.pt")
+    assert files.load_snapshot(folder / "step-000000009.pt")["rng"] == [{"r": 0}, {"r": 1}]
+    assert rank_parts.read_part(folder / "step-000000009.pt", old, 1) == {"rng": {"r": 1}, "data": {"at": 1}}
+    files.atomic_save({**old, "rng": None}, folder / "step-000000010.pt")
+    with pytest.raises(SnapshotError, match="field 'rng' missing"):  # version 2 still needs its lists
+        files.load_snapshot(folder / "step-000000010.pt")
+    assert rank_parts.expected_parts(["x/rank-00001-of-00003.pt"]) == [
+        "rank-00000-of-00003.pt", "rank-00001-of-00003.pt", "rank-00002-of-00003.pt"]
+
+
+def test_rotation_removes_a_file_s_parts_with_it_and_parts_whose_file_never_came(tmp_path):
+    from ddptrain.snapshots import rank_parts
+
+    for step in (3, 5, 7, 9):
+        rank_parts.write_part(tmp_path, step, False, 0, 1, {"rng": {}})
+        if step != 3:  # step 3's file never written (a run stopped in between)
+            files.atomic_save(_good_state(step), tmp_path / f"step-00000000{step}.pt")
+    files.rotate(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-000000007.pt", "step-000000007.ranks", "step-000000009.pt", "step-000000009.ranks"]
+    rank_parts.write_part(tmp_path, 11, False, 0, 1, {"rng": {}})  # the next snapshot's, its file not yet written
+    files.rotate(tmp_path, keep=2, spare={"step-000000007.pt"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-000000007.pt", "step-000000007.ranks", "step-000000009.pt", "step-000000009.ranks",
+        "step-000000011.ranks"]

@@ -141,7 +141,8 @@ class StreamBatches:
                                              collate_fn=ExplainedCollate(collate_fn),
                                              pin_memory=device.type == "cuda",
                                              generator=self.generator)
-        self.saved: list[dict[str, Any]] | None = None  # every rank's loader state, for the epoch it was taken in
+        self.saved: dict[str, Any] | None = None  # this rank's loader state, for the epoch it was taken in
+        self.saved_world_size = world_size
         self.stand_in: Any = None  # a batch to run with weight 0 when this rank's share has run out
         self.stand_ins_shared = False  # every rank holds a stand-in: agreements can overlap the steps
         self.read_any = False  # whether this rank's share ever gave a batch (its iterator works)
@@ -150,16 +151,17 @@ class StreamBatches:
         self.message, self.total = torch.zeros(1, dtype=torch.float64), -1
         self.pending: Any = None  # the overlapped agreement's work, read after the backward
 
-    # --- state (a list by rank in a snapshot) -------------------------------------------------
+    # --- state (in each rank's part of a snapshot) -------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         # A finished loader's state restores as a fresh one (torchdata starts the stream over,
         # with workers): a share that ran out is said so, and stays out after a resume.
         return {"workers": self.workers, "loader": self.loader.state_dict(), "exhausted": self.exhausted}
 
-    def load_state_dict(self, by_rank: list[dict[str, Any]]) -> None:
-        """Every rank's saved state (snapshots hold them by rank); this rank's is used if the
-        run resumes inside an epoch (at an epoch's start, any world size reads the stream anew)."""
-        self.saved = by_rank
+    def load_state_dict(self, saved: dict[str, Any] | None, saved_world_size: int) -> None:
+        """This rank's saved state (its part of the snapshot; on another world size rank 0's, or
+        None), used if the run resumes inside an epoch (at an epoch's start, any world size reads
+        the stream anew)."""
+        self.saved, self.saved_world_size = saved or {}, saved_world_size
 
     # --- the epoch ------------------------------------------------------------------------
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
@@ -173,14 +175,19 @@ class StreamBatches:
         self.saved = None
 
     def _saved_loader_state(self) -> dict[str, Any]:
-        by_rank = self.saved or []
-        saved = (len(by_rank), by_rank[0]["workers"])
+        mine = self.saved or {}
+        if not mine and self.saved_world_size == self.world_size:
+            raise ConfigError(f"the snapshot stopped inside an epoch of an iterable training set, and holds no "
+                              f"reading position for rank {self.rank} (its part is missing): resume from a "
+                              "snapshot at an epoch's end, or one with every rank's part")
+        saved = (self.saved_world_size, mine.get("workers"))
         if saved != (self.world_size, self.workers):
+            workers = f"--workers {saved[1]}" if saved[1] is not None else "its --workers"
             raise ConfigError(f"the snapshot stopped inside an epoch of an iterable training set read by "
-                              f"{saved[0]} rank(s) x --workers {saved[1]}; this run has {self.world_size} x "
+                              f"{saved[0]} rank(s) x {workers}; this run has {self.world_size} x "
                               f"{self.workers}, and a stream's shares depend on both: resume with the same "
                               "world size and --workers (or resume from a snapshot at an epoch's end)")
-        return by_rank[self.rank]
+        return mine
 
     def steps(self) -> Iterator[list[tuple[Any, MicroBatch]]]:
         """The epoch's remaining optimizer steps, ending on every rank at the same step. Each

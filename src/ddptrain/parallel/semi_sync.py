@@ -186,10 +186,13 @@ class GroupOptimizers:
         first_of_group = self.ctx.rank % self.mesh.size == 0
         return self.optimizer.state_dict() if first_of_group and self.mesh.index > 0 else {}
 
-    def load_state_dict(self, by_rank: list[dict[str, Any]]) -> None:
+    def saved_by(self) -> int:
+        """The rank whose part of a snapshot holds this rank's group's state: the group's first."""
+        return self.mesh.index * self.mesh.size
+
+    def load_state_dict(self, saved: dict[str, Any] | None, saved_world_size: int) -> None:
         """Each group takes its own; on another world size every group starts from group 0's."""
-        if len(by_rank) != self.ctx.world_size:
+        if saved_world_size != self.ctx.world_size:
             return
-        mine = by_rank[self.mesh.index * self.mesh.size]
-        if mine:
-            self.optimizer.load_state_dict(mine)
+        if saved:
+            self.optimizer.load_state_dict(saved)

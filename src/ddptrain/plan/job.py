@@ -190,12 +190,12 @@ def _collective_groups(cfg: RunConfig, target: Target) -> Any:
 
 def _snapshot_total(cfg: RunConfig, target: Target, figures: list[RankFigures]) -> int:
     """A whole snapshot's bytes: rank 0's file, or every rank's entries (the planned ranks' mean,
-    times the ranks); and every rank's random generators' states, which rank 0 writes."""
-    generators = max(f.generator_bytes for f in figures) * target.world_size
-    own = [f.snapshot_bytes - (generators if f.rank == 0 else 0) for f in figures]
+    times the ranks); and every rank's part (its random generators' states: snapshots/rank_parts.py)."""
+    generators = max(f.generator_bytes for f in figures)
+    own = [f.snapshot_bytes - generators for f in figures]
     if cfg.strategy == "ddp":
-        return max(own) + generators
-    return int(sum(own) / len(own) * target.world_size) + generators
+        return max(own) + generators * target.world_size
+    return int(sum(own) / len(own) * target.world_size) + generators * target.world_size
 
 
 def notes(cfg: RunConfig, target: Target, figures: list[RankFigures]) -> list[str]:

@@ -76,7 +76,7 @@ class RankFigures:
     activation_bytes: int  # tensors one micro-batch's forward saves for the backward
     gathered_bytes: int  # fsdp/hsdp: whole parameters in flight (the root unit, two blocks)
     snapshot_bytes: int  # this rank's part of a snapshot
-    generator_bytes: int  # this rank's random generators' states (rank 0 writes every rank's)
+    generator_bytes: int  # this rank's random generators' states (its part of a snapshot: it writes them)
     flops_per_step: int
     collectives: dict[str, dict[str, int | str]]  # "all_reduce[21]": {kind, elements, dtype, bytes, count}
     steps_per_epoch: int | None  # None: a stream's epoch ends when it does
@@ -121,8 +121,7 @@ def measure_rank(cfg: RunConfig, factory: Any, ctx: DistContext, steps: int = 2,
         buffer_bytes=sum(tensor_bytes(b) for b in module.buffers()),
         activation_bytes=run.activations.bytes,
         gathered_bytes=_gathered_bytes(strategy, module, run.task, run.cfg.precision),
-        snapshot_bytes=_snapshot_bytes(strategy, module, optimizer, ctx) + (generators * ctx.world_size
-                                                                            if ctx.is_main else 0),
+        snapshot_bytes=_snapshot_bytes(strategy, module, optimizer, ctx) + generators,  # (and its own part)
         generator_bytes=generators,
         flops_per_step=run.step.flops.per_step or 0, collectives=run.collectives.table(),
         allocated_peak_bytes=run.peak_bytes(), steps_run=run.steps,
@@ -350,7 +349,7 @@ def _snapshot_bytes(strategy: Strategy, module: torch.nn.Module, optimizer: torc
     model and optimizer). A DCP folder holds each rank's entries, each saved on its own: its shards,
     and of the entries several ranks hold (hsdp's shards, which every replica group holds; the
     optimizer's settings and step counts, which every rank does) those DCP's dedup gives it
-    (``_dcp_share``). (Rank 0 also writes every rank's random generators' states: measure_rank.)"""
+    (``_dcp_share``). (Each rank also writes its part, its random generators' states: measure_rank.)"""
     state = strategy.state(module, optimizer)
     if strategy.snapshot_format == "file":
         return _serialised({"model": state["model"], "optimizer": state["optimizer"]}) if ctx.is_main else 0

@@ -26,13 +26,16 @@ from ..progress import best_interval_s
 from ..run_dir import RunDir
 from ..settings import SnapshotSettings
 from . import dcp as snapshot_dcp
-from . import files, rng
+from . import files, rank_parts, rng
 from .restore import Snapshot
 
 MAX_SNAPSHOT_SHARE = 0.02  # of training time, at most, spent on the training path saving
 # A snapshot that waited longer than this for the previous one's write found the write outlasting
 # the interval between them (a write already done answers in microseconds).
 WRITE_WAIT_NOTICED_S = 0.01
+# Snapshots by time are spaced this much beyond the longest write seen: spaced by the write alone,
+# the next write, a few milliseconds longer, made each snapshot wait again (and lengthen it again).
+WRITE_HEADROOM = 1.1
 
 
 class Stateful(Protocol):
@@ -42,11 +45,14 @@ class Stateful(Protocol):
 
 
 class PerRank(Protocol):
-    """A state every rank has its own of: saved as a list by rank, loaded as that list."""
+    """A state every rank has its own of: saved in each rank's part of the snapshot (rank_parts.py)."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
-    def load_state_dict(self, by_rank: list[dict[str, Any]]) -> None: ...
+    def load_state_dict(self, saved: dict[str, Any] | None, saved_world_size: int) -> None:
+        """This rank's saved state (on another world size: rank 0's, for what every rank's holds
+        alike; None: the snapshot has none), and the world size that saved it. A state one rank
+        saves for others (a replica group's optimizer) says whose part holds it: ``saved_by()``."""
 
 
 class OneTable:
@@ -81,10 +87,10 @@ class Checkpointer:
                  on_committed: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         """``recorded``: what every snapshot holds of the run's settings, for the run that resumes it to
         compare (``batch_size``, ``global_batch``, ``fingerprint``: RunConfig.math_fingerprint);
-        ``per_rank``: states every rank has its own of (a stream's reading position), saved as
-        a list by rank and handed back whole on resume; ``start``: the snapshot the run resumes
-        from (restore.restore_point), loaded by ``resume``; ``group``: a gloo group for the
-        random and per-rank states (None: the default group); ``uploads``: this rank's
+        ``per_rank``: states every rank has its own of (a stream's reading position), saved with
+        its random states in this rank's part of the snapshot (rank_parts.py); ``start``: the snapshot
+        the run resumes from (restore.restore_point), loaded by ``resume``; ``group``: a gloo group
+        for the snapshot's collectives (None: the default group); ``uploads``: this rank's
         uploads.Uploader to the run dir's store, if it has one (snapshots go up behind the training,
         committed there by their manifests); ``on_committed(location, progress)``:
         called on every rank once every rank knows a snapshot is committed (Ray Train's reports)."""
@@ -100,13 +106,16 @@ class Checkpointer:
                                                           on_main_machine=ctx.rank < ctx.local_world_size)
         else:
             self.writer = files.SnapshotWriter(uploads) if ctx.is_main else None
+        # A file snapshot's parts on another machine than rank 0's go up from there (a DCP folder's
+        # go with the rank's shards: dcp.DCPWriter)
+        self.part_uploads = uploads if not (self.sharded or ctx.rank < ctx.local_world_size) else None
         # The newest snapshot's global step (-1: none yet); a resumed one may lie outside our folder.
         self.saved_step = self.resumed_step = start.global_step if start is not None else -1
         self.on_committed, self.announced_step = on_committed, self.saved_step
         self.saved_progress: dict[str, Any] = {}
         self.last_saved_at = time.perf_counter()
         self.cost_s = 0.0  # the most a snapshot has cost the training path (rank 0), waits for a write aside
-        self.write_s = 0.0  # the longest a write was seen to take (one that outlasted the interval after it)
+        self.write_s = 0.0  # the longest write seen to outlast the interval after it, with WRITE_HEADROOM
         self.told_interval = False  # --mttf-hours: the interval it chose, said once
         self.told_save_every = False  # --save-every shorter than a write: said once
 
@@ -119,18 +128,33 @@ class Checkpointer:
         self.weights.load_state_dict(state, whole)
         for name, stateful in self.states.items():
             stateful.load_state_dict(state.get(name) or {})
-        for name, by_rank in self.per_rank.items():
-            if state.get(name) is not None:
-                by_rank.load_state_dict(state[name])  # the list by rank
 
     def resume(self) -> bool:
-        """Load the restore point into every component (and, on the same world size, this rank's
-        random state). False on a fresh start."""
+        """Load the restore point into every component, and this rank's part: its per-rank
+        states and, on the same world size, its random states. False on a fresh start."""
         if self.start is None:
             return False
         self.load_state_dict(self.start.state, self.start.whole)
-        if self.start.state["world_size"] == self.ctx.world_size:
-            rng.restore_rng(self.start.state["rng"][self.ctx.rank])
+        saved_world = int(self.start.state["world_size"])
+        same_world = saved_world == self.ctx.world_size
+        read: dict[int, dict[str, Any] | None] = {}
+
+        def part_of(rank: int) -> dict[str, Any] | None:
+            if rank not in read:
+                read[rank] = rank_parts.read_part(self.start.path, self.start.state, rank)  # type: ignore[union-attr]  # a start
+            return read[rank]
+
+        mine = part_of(self.ctx.rank if same_world else 0)
+        for name, stateful in self.per_rank.items():
+            saved_by = getattr(stateful, "saved_by", None)  # (a state one rank saves for others: PerRank)
+            part = part_of(saved_by()) if saved_by is not None and same_world else mine
+            stateful.load_state_dict(part.get(name) if part else None, saved_world)
+        if same_world and mine is not None:
+            rng.restore_rng(mine["rng"])
+        elif same_world:
+            say(f"ddptrain: warning: snapshot {self.start.path} has no readable part for rank {self.ctx.rank} "
+                f"(its random states, in {rank_parts.parts_folder(self.start.path).name}/): its random draws from here "
+                "are not the ones an uninterrupted run makes")
         return True
 
     # --- policy ----------------------------------------------------------------------------
@@ -172,15 +196,14 @@ class Checkpointer:
         if not self.wants(global_step):
             return
         if self.writer is not None:
-            self._wait_for_the_last_write()
+            self._wait_for_the_last_write(say_it=not last)
         started = time.perf_counter()
-        with self.marks.waiting("snapshot: gathering every rank's random state", global_step):
-            rng_states = rng.gather_rng_states(self.ctx.world_size, self.group)
-        by_rank = self._gather_per_rank(global_step)
+        self._write_part(global_step)
+        with self.marks.waiting("snapshot: every rank's part written", global_step):
+            dist.barrier(group=self.group)
         self._check_visible(self.saved_step)
         self._announce()
-        meta = {"format_version": files.FORMAT_VERSION, "world_size": self.ctx.world_size, **self.recorded,
-                "rng": rng_states, **by_rank}
+        meta = {"format_version": files.FORMAT_VERSION, "world_size": self.ctx.world_size, **self.recorded}
         if self.sharded:
             state = self.state_dict()
             shards = {part: state.pop(part) for part in ("model", "optimizer", "ema") if part in state}
@@ -199,18 +222,19 @@ class Checkpointer:
             say(f"ddptrain: snapshots every {self.interval_s():.3g} s of training from now (--mttf-hours "
                 f"{self.snapshots.mttf_hours:g}: Young's interval for a snapshot that blocks {self.cost_s:.3g} s)")
 
-    def _wait_for_the_last_write(self) -> None:
+    def _wait_for_the_last_write(self, say_it: bool = True) -> None:
         """The previous snapshot's write, finished. One that outlasted the interval since (this
         snapshot waited for it) took at least that interval and the wait: snapshots by time are
-        spaced by it from now on, and a --save-every shorter than it is said, once (rank 0)."""
+        spaced by it from now on, and a --save-every shorter than it is said, once (rank 0; not
+        ``say_it``: the run's last snapshot, after which no interval matters)."""
         before, interval = time.perf_counter(), self.interval_s()
         self.writer.wait()
         waited = time.perf_counter() - before
         if waited < WRITE_WAIT_NOTICED_S:
             return
         took = time.perf_counter() - self.last_saved_at
-        self.write_s = max(self.write_s, took)
-        if not self.ctx.is_main:
+        self.write_s = max(self.write_s, took * WRITE_HEADROOM)
+        if not (self.ctx.is_main and say_it):
             return
         if self.snapshots.save_seconds and self.interval_s() > interval:
             say(f"ddptrain: a snapshot's write took {took:.3g} s, longer than the {interval:.3g} s between "
@@ -221,19 +245,14 @@ class Checkpointer:
                 f"--save-every {self.snapshots.save_every} starts them faster than they are written; raise it "
                 "(each such snapshot holds the training up by its wait)")
 
-    def _gather_per_rank(self, global_step: int) -> dict[str, list[Any]]:
-        """Every rank's per-rank states, as lists by rank on rank 0 (which writes them)."""
-        if not self.per_rank:
-            return {}
-        mine = {name: stateful.state_dict() for name, stateful in self.per_rank.items()}
-        if self.ctx.world_size == 1:
-            return {name: [state] for name, state in mine.items()}
-        gathered: list[Any] = [None] * self.ctx.world_size if self.ctx.is_main else []
-        with self.marks.waiting("snapshot: gathering every rank's data position", global_step):
-            dist.gather_object(mine, gathered if self.ctx.is_main else None, dst=0, group=self.group)
-        if not self.ctx.is_main:
-            return {}
-        return {name: [states[name] for states in gathered] for name in mine}
+    def _write_part(self, global_step: int) -> None:
+        """This rank's part of the snapshot (rank_parts.py), on disk before the collective that follows:
+        every rank's is, before rank 0 commits the snapshot. A rank on another machine than rank
+        0's, of a run dir on a store, uploads its own."""
+        part = {"rng": rng.capture_rng(), **{name: s.state_dict() for name, s in self.per_rank.items()}}
+        written = rank_parts.write_part(self.dir, global_step, self.sharded, self.ctx.rank, self.ctx.world_size, part)
+        if self.part_uploads is not None:
+            self.part_uploads.add_part(files.snapshot_name(global_step), [(written, f"ranks/{written.name}")])
 
     def commit(self) -> None:
         """Wait until the newest snapshot is on disk and every rank can see it."""

@@ -2,13 +2,13 @@
 
 ``dcp.async_save`` copies the shards to CPU memory and returns; the files are written in the
 background, on a process group of their own (the training's collectives go on meanwhile).
-A snapshot counts only once complete: it is written as ``snapshots/.step-N.partial/``; when
-every rank's shard and DCP's metadata are on disk, rank 0 adds ``meta.pt`` (progress,
-schedule, RNG states, ...) and renames the folder to ``snapshots/step-N/``. Only then are
+A snapshot counts only once complete: it is written as ``snapshots/.step-N.partial/`` (each rank's
+part, rank_parts.py, first, in its ``ranks/``); when every rank's shard and DCP's metadata are on
+disk, rank 0 adds ``meta.pt`` (progress, schedule, ...) and renames the folder to ``snapshots/step-N/``. Only then are
 older snapshots removed. A ``.partial`` folder (a writer killed mid-way) is never loaded:
 it is named in a warning and removed. A run dir on a store (run_dir.py) is written the same
 way into this machine's mirror, then uploaded behind the training (uploads.py): rank 0 uploads
-the folder and commits it there; a rank on another machine uploads its own shard files.
+the folder and commits it there; a rank on another machine uploads its own shard files and part.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ class DCPWriter(files.BackgroundWrite):
         """Another machine than rank 0's: this rank's shard files go to the store from here."""
         if done.exception() is None:
             name = partial.name[1:].removesuffix(".partial")
-            self.uploads.add_part(name, sorted(partial.glob(f"__{self.rank}_*.distcp")))
+            mine = [*partial.glob(f"__{self.rank}_*.distcp"), *partial.glob(f"ranks/rank-{self.rank:05d}-of-*.pt")]
+            self.uploads.add_part(name, [(file, str(file.relative_to(partial))) for file in sorted(mine)])
 
     @staticmethod
     def _save(shards: dict[str, Any], last: bool, **where: Any) -> Future[Any]:

@@ -29,15 +29,17 @@ from ..exits import finish_before_exit
 from ..run_dir import SNAPSHOT_NAME, snapshot_name, snapshot_number
 from ..settings.fingerprint import fingerprint_changes
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: each rank's random states in a part of its own (rank_parts.py), not the metadata
+READABLE_VERSIONS = (2, 3)
 # After a failure, how long rank 0 lets the snapshot write in flight finish before its process ends:
 # that snapshot was taken before the failure (a non-finite loss is caught before the next save), and
 # the error names it as the last good one. A local file: no peer is waited for.
 FAILED_WRITE_WAIT_S = 30.0
 REQUIRED = {
     "format_version": int, "progress": dict, "world_size": int, "batch_size": int, "global_batch": int,
-    "fingerprint": dict, "rng": list,
+    "fingerprint": dict,
 }
+REQUIRED_IN_VERSION_2 = {"rng": list}  # every rank's random states, gathered (from 3: in the ranks' parts)
 WEIGHTS = {"model": dict, "optimizer": dict}  # in a file; a DCP folder holds them as shards
 PROGRESS = ("epoch", "step_in_epoch", "global_step")
 
@@ -60,15 +62,25 @@ def list_snapshots(directory: Path) -> list[Path]:
 
 
 def rotate(directory: Path, keep: int, spare: Collection[str] = ()) -> None:
-    """Remove all but the newest ``keep`` snapshots (only ever after a new one is committed);
-    ``spare``: names kept whatever their age (a run dir on a store: those not uploaded yet)."""
-    for old in list_snapshots(directory)[:-keep]:
+    """Remove all but the newest ``keep`` snapshots (only ever after a new one is committed), a
+    file's ranks' parts with it (rank_parts.py), and parts older than the newest kept snapshot whose
+    file was never committed; ``spare``: names kept whatever their age (a run dir on a store:
+    those not uploaded yet)."""
+    found = list_snapshots(directory)
+    for old in found[:-keep]:
         if old.name in spare:
             continue
         if old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.unlink(missing_ok=True)
+            shutil.rmtree(old.with_name(f"{old.stem}.ranks"), ignore_errors=True)
+    oldest_kept = snapshot_step(found[-keep:][0]) if found else -1
+    for orphan in directory.glob("step-*.ranks"):  # (a run stopped between its parts and its file)
+        step = int(orphan.name.split("-")[1].split(".")[0])
+        if step < oldest_kept and not (directory / snapshot_name(step)).exists() and \
+                snapshot_name(step) not in spare:
+            shutil.rmtree(orphan, ignore_errors=True)
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -286,10 +298,11 @@ def load_snapshot(path: Path, map_location: str | torch.device = "cpu") -> dict[
     if not isinstance(state, dict):
         raise SnapshotError(f"snapshot {path} is not a ddptrain snapshot (holds {type(state).__name__})")
     version = state.get("format_version")
-    if isinstance(version, int) and version != FORMAT_VERSION:
-        raise SnapshotError(f"snapshot {path} has format version {version}; this ddptrain reads version "
-                            f"{FORMAT_VERSION}; use --resume never or another --run-dir")
-    for key, kind in {**REQUIRED, **({} if folder else WEIGHTS)}.items():
+    if isinstance(version, int) and version not in READABLE_VERSIONS:
+        raise SnapshotError(f"snapshot {path} has format version {version}; this ddptrain reads versions "
+                            f"{' and '.join(map(str, READABLE_VERSIONS))}; use --resume never or another --run-dir")
+    old_format = REQUIRED_IN_VERSION_2 if version == 2 else {}
+    for key, kind in {**REQUIRED, **old_format, **({} if folder else WEIGHTS)}.items():
         if not isinstance(state.get(key), kind):
             raise SnapshotError(f"snapshot {path} is not a ddptrain snapshot (field {key!r} "
                                 f"missing or not {kind.__name__})")

@@ -1,39 +1,12 @@
-"""Every rank's random states: captured into each snapshot and restored on resume, so the
-steps after a resume draw what they would have drawn (dropout, augmentation, shuffles)."""
+"""A rank's random states: captured into its part of each snapshot (rank_parts.py) and restored
+on resume, so the steps after a resume draw what they would have drawn (dropout, augmentation,
+shuffles)."""
 
 from __future__ import annotations
 
 from typing import Any, cast
 
 import torch
-
-RNG_CAPACITY = 1 << 16  # bytes per rank; a CPU rank's pickled RNG states take ~13 KiB
-
-
-def gather_rng_states(world_size: int, group: Any = None) -> list[dict[str, Any]]:
-    """Every rank's RNG states, on every rank: one fixed-size all_gather.
-
-    ``all_gather_object`` needs two collectives and took 3.5-7.5 ms per call on the tutorial
-    job (2 CPU ranks), the largest part of an epoch-end snapshot; a fixed-size byte buffer
-    needs one. The bytes are pickles from our own ranks, read by our own ranks.
-    """
-    import pickle
-
-    import torch.distributed as dist
-
-    payload = pickle.dumps(capture_rng())
-    if len(payload) + 8 > RNG_CAPACITY:
-        raise RuntimeError(f"RNG states take {len(payload)} bytes, more than {RNG_CAPACITY}")
-    buffer = torch.zeros(RNG_CAPACITY, dtype=torch.uint8)
-    buffer[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
-    buffer[8:8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    gathered = [torch.empty_like(buffer) for _ in range(world_size)]
-    dist.all_gather(gathered, buffer, group=group)
-    states = []
-    for tensor in gathered:
-        size = int(tensor[:8].view(torch.int64).item())
-        states.append(pickle.loads(tensor[8:8 + size].numpy().tobytes()))
-    return states
 
 
 def capture_rng() -> dict[str, Any]:

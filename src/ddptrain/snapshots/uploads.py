@@ -32,8 +32,8 @@ from pathlib import Path
 from ..comm import DistContext
 from ..console import say
 from ..errors import StoreBehind
-from ..run_dir import LEDGER, RUN_FILES, RunDir, StoreRunDir, snapshot_number
-from . import files
+from ..run_dir import LEDGER, RUN_FILES, RunDir, StoreRunDir, snapshot_member, snapshot_number
+from . import files, rank_parts
 
 UPLOAD_WAIT_S = 60.0  # default seconds a finished run waits for a store to take what it has not yet
 PREEMPTED_UPLOAD_WAIT_S = 10.0  # at most, after a stop signal (its grace period is short; the next start syncs)
@@ -89,40 +89,60 @@ class SnapshotUpload(Upload):
     def run(self) -> int:
         name = self.key.removeprefix("snapshots/")
         local = self.up.mirror / self.key
-        if not local.is_dir():
+        if not local.is_dir():  # a file, then its ranks' parts beside it
             sent = self.put(local, self.key)
+            local_parts = self.up.mirror / "snapshots" / snapshot_member(name, "ranks")
+            sent += sum(self.put(file, f"snapshots/{snapshot_member(name, 'ranks/' + relative)}")
+                        for file, relative in _folder_files(local_parts))
+            missing = parts_missing(self.up.remote, name, local_parts)
         else:
             present = set(self.up.remote.files_of(self.key)) if not self.done else set()
             sent = sum(self.put(file, f"{self.key}/{relative}") for file, relative in _folder_files(local)
                        if relative not in present)
-            missing = dcp_missing(self.up.remote, local)
-            if missing:
-                raise NotYet(f"{name}: {len(missing)} shard file(s) of other machines not in the store yet")
+            missing = dcp_missing(self.up.remote, local) + parts_missing(self.up.remote, name, local / "ranks")
+        if missing:
+            raise NotYet(f"{name}: {len(missing)} file(s) of other machines not in the store yet")
         self.up.remote.commit_snapshot(name)
         self.up.remote.rotate(self.up.keep)
         return sent + 1
 
 
 class PartUpload(Upload):
-    """A rank on another machine than rank 0: its own shard files of a DCP folder, from its mirror."""
+    """A rank on another machine than rank 0: its own files of a snapshot (a DCP folder's shard
+    files, its part: ``(local file, path inside the snapshot)``), from its mirror."""
 
-    def __init__(self, key: str, target: Target, local_files: list[Path]) -> None:
+    def __init__(self, key: str, target: Target, local_files: list[tuple[Path, str]]) -> None:
         super().__init__(key, target)
         self.local_files = local_files
 
     def run(self) -> int:
-        sent = sum(self.put(file, f"{self.key}/{file.name}") for file in self.local_files)
-        for file in self.local_files:  # the store holds them now; this machine never reads them
+        name = self.key.removeprefix("snapshots/")
+        sent = sum(self.put(file, f"snapshots/{snapshot_member(name, relative)}")
+                   for file, relative in self.local_files)
+        for file, _ in self.local_files:  # the store holds them now; this machine never reads them
             file.unlink(missing_ok=True)
-        try:
-            self.local_files[0].parent.rmdir()  # the last rank of this machine to finish
-        except (OSError, IndexError):
-            pass
+        for folder in {parent for file, _ in self.local_files for parent in (file.parent, file.parent.parent)}:
+            if folder.name.startswith((".step-", "step-")) or folder.name == "ranks":
+                try:
+                    folder.rmdir()  # (the last rank of this machine to finish)
+                except OSError:
+                    pass
         return sent
 
 
 def _folder_files(folder: Path) -> list[tuple[Path, str]]:
     return [(file, str(file.relative_to(folder))) for file in sorted(folder.rglob("*")) if file.is_file()]
+
+
+def parts_missing(remote: StoreRunDir, name: str, local_parts: Path) -> list[str]:
+    """The ranks' parts of snapshot ``name`` (rank_parts.py) that neither the store nor this mirror's
+    ``local_parts`` holds: those other machines have not uploaded yet."""
+    here = [p.name for p in local_parts.glob("rank-*.pt")] if local_parts.is_dir() else []
+    expected = rank_parts.expected_parts(here)
+    if not expected or len(here) == len(expected):
+        return []
+    present = set(remote.files_of(f"snapshots/{snapshot_member(name, 'ranks')}")) | set(here)
+    return [part for part in expected if part not in present]
 
 
 def dcp_missing(remote: StoreRunDir, folder: Path) -> list[str]:
@@ -137,13 +157,12 @@ def dcp_missing(remote: StoreRunDir, folder: Path) -> list[str]:
     return sorted(named - present)
 
 
-def rank_uploader(home: RunDir, keep: int, ctx: DistContext, shards_in_files: bool) -> Uploader | None:
-    """A run dir on a store: rank 0 uploads the run; where every rank writes its own shard files
-    (``shards_in_files``: FSDP's DCP), a rank on another machine than rank 0's uploads its own."""
+def rank_uploader(home: RunDir, keep: int, ctx: DistContext) -> Uploader | None:
+    """A run dir on a store: rank 0 uploads the run; a rank on another machine than rank 0's
+    uploads its own files of each snapshot (its part, rank_parts.py; under FSDP its shard files too)."""
     if not isinstance(home, StoreRunDir):  # a folder holds the run as written
         return None
-    on_main_machine = ctx.rank < ctx.local_world_size
-    if not (ctx.is_main or (shards_in_files and not on_main_machine)):
+    if not (ctx.is_main or ctx.rank >= ctx.local_world_size):
         return None
     return Uploader(home, keep, speaks=ctx.is_main)
 
@@ -174,7 +193,8 @@ class Uploader:
         """A snapshot the mirror holds whole (a file, or rank 0's DCP folder)."""
         self._add(SnapshotUpload(f"snapshots/{name}", self.target))
 
-    def add_part(self, name: str, local_files: list[Path]) -> None:
+    def add_part(self, name: str, local_files: list[tuple[Path, str]]) -> None:
+        """This rank's files of snapshot ``name``: (the file in the mirror, its path inside the snapshot)."""
         self._add(PartUpload(f"snapshots/{name}", self.target, local_files))
 
     def _add(self, upload: Upload) -> None:
@@ -331,7 +351,12 @@ def sync_up(remote: StoreRunDir, keep: int) -> int:
         for partial in sorted(files.snapshot_dir(mirror).glob(".step-*.partial")):  # other machines' shards
             name = partial.name[1:].removesuffix(".partial")
             if snapshot_number(name) > newest_stored:
-                sent += PartUpload(f"snapshots/{name}", target, sorted(partial.glob("*.distcp"))).run()
+                sent += PartUpload(f"snapshots/{name}", target, _folder_files(partial)).run()
+        for local_parts in sorted(files.snapshot_dir(mirror).glob("step-*.ranks")):  # other machines' parts
+            name = local_parts.name.removesuffix(".ranks") + ".pt"
+            if snapshot_number(name) > newest_stored and not (local_parts.parent / name).exists():
+                sent += PartUpload(f"snapshots/{name}", target,
+                                   [(file, f"ranks/{relative}") for file, relative in _folder_files(local_parts)]).run()
         files.rotate(files.snapshot_dir(mirror), keep)
     (mirror / LEDGER).unlink(missing_ok=True)
     return sent
