@@ -14,6 +14,7 @@ the time), at the end and on a stop signal. Written in the background: a file by
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -132,16 +133,17 @@ class Checkpointer:
     def resume(self) -> bool:
         """Load the restore point into every component, and this rank's part: its per-rank
         states and, on the same world size, its random states. False on a fresh start."""
-        if self.start is None:
+        start = self.start
+        if start is None:
             return False
-        self.load_state_dict(self.start.state, self.start.whole)
-        saved_world = int(self.start.state["world_size"])
+        self.load_state_dict(start.state, start.whole)
+        saved_world = int(start.state["world_size"])
         same_world = saved_world == self.ctx.world_size
         read: dict[int, dict[str, Any] | None] = {}
 
         def part_of(rank: int) -> dict[str, Any] | None:
             if rank not in read:
-                read[rank] = rank_parts.read_part(self.start.path, self.start.state, rank)  # type: ignore[union-attr]  # a start
+                read[rank] = rank_parts.read_part(start.path, start.state, rank)
             return read[rank]
 
         mine = part_of(self.ctx.rank if same_world else 0)
@@ -152,9 +154,9 @@ class Checkpointer:
         if same_world and mine is not None:
             rng.restore_rng(mine["rng"])
         elif same_world:
-            say(f"ddptrain: warning: snapshot {self.start.path} has no readable part for rank {self.ctx.rank} "
-                f"(its random states, in {rank_parts.parts_folder(self.start.path).name}/): its random draws from here "
-                "are not the ones an uninterrupted run makes")
+            say(f"ddptrain: warning: snapshot {start.path} has no readable part for rank {self.ctx.rank} (its "
+                f"random states, in {rank_parts.parts_folder(start.path).name}/): its random draws from here are not "
+                "the ones an uninterrupted run makes", sys.stderr)
         return True
 
     # --- policy ----------------------------------------------------------------------------

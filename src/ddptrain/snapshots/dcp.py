@@ -2,13 +2,14 @@
 
 ``dcp.async_save`` copies the shards to CPU memory and returns; the files are written in the
 background, on a process group of their own (the training's collectives go on meanwhile).
-A snapshot counts only once complete: it is written as ``snapshots/.step-N.partial/`` (each rank's
-part, rank_parts.py, first, in its ``ranks/``); when every rank's shard and DCP's metadata are on
-disk, rank 0 adds ``meta.pt`` (progress, schedule, ...) and renames the folder to ``snapshots/step-N/``. Only then are
-older snapshots removed. A ``.partial`` folder (a writer killed mid-way) is never loaded:
-it is named in a warning and removed. A run dir on a store (run_dir.py) is written the same
-way into this machine's mirror, then uploaded behind the training (uploads.py): rank 0 uploads
-the folder and commits it there; a rank on another machine uploads its own shard files and part.
+A snapshot counts only once complete: it is written as ``snapshots/.step-N.partial/`` (each
+rank's part, rank_parts.py, first, in its ``ranks/``); when every rank's shard and DCP's metadata
+are on disk, rank 0 adds ``meta.pt`` (progress, schedule, ...) and renames the folder to
+``snapshots/step-N/``. Only then are older snapshots removed. A ``.partial`` folder (a writer
+killed mid-way) is never loaded: it is named in a warning and removed. A run dir on a store
+(run_dir.py) is written the same way into this machine's mirror, then uploaded behind the
+training (uploads.py): rank 0 uploads the folder and commits it there; a rank on another machine
+uploads its own shard files and part.
 """
 
 from __future__ import annotations

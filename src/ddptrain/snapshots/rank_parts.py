@@ -1,10 +1,11 @@
 """Each rank's own part of a snapshot: its random states and its per-rank components (a stream's
 reading position), written by that rank to a small file of its own and read back by that rank alone.
 
-Until 0.7 every snapshot all-gathered every rank's random states to every rank (64 KiB a rank:
-1 GB received by each rank at 16,384 ranks, every snapshot) and gathered the data positions on
-rank 0. A part costs each rank the same whatever the world size: one file written (~13 KiB),
-no bytes sent, and on resume one file read.
+Up to 0.6 every snapshot all-gathered every rank's random states to every rank (64 KiB a rank:
+1.07 GB received by each rank at 16,384 ranks, every snapshot) and gathered the data positions
+on rank 0. A part costs each rank the same whatever the world size: one file written (~16 KB),
+no payload sent (one barrier follows), and on resume one file read
+(benchmarks/snapshot_world.py measures both at 2 to 16,384 ranks).
 
 Where the parts lie (``ranks/rank-R-of-W.pt``; the world size in the name lets whoever commits
 a snapshot to a store know how many it waits for):
@@ -13,7 +14,7 @@ a snapshot to a store know how many it waits for):
 - a file snapshot's beside it: ``step-N.pt`` and ``step-N.ranks/``, every part written before
   the collective after which rank 0 writes the file: a committed file implies its parts.
 
-Snapshots of format 2 (0.1 to 0.6) hold the lists by rank in their metadata: ``part_of``
+Snapshots of format 2 (0.1 to 0.6) hold the lists by rank in their metadata: ``read_part``
 reads those too.
 """
 
@@ -27,6 +28,7 @@ import torch
 
 from ..run_dir import snapshot_name
 from . import files
+from .dcp import partial_folder
 
 FOLDER = "ranks"
 PART_NAME = re.compile(r"^rank-(\d+)-of-(\d+)\.pt$")
@@ -46,8 +48,6 @@ def parts_folder(snapshot: Path) -> Path:
 def write_part(directory: Path, step: int, sharded: bool, rank: int, world_size: int,
                part: dict[str, Any]) -> Path:
     """This rank's part of the snapshot after ``step``, atomically (files.atomic_save)."""
-    from .dcp import partial_folder
-
     snapshot = partial_folder(directory, step) if sharded else directory / snapshot_name(step)
     folder = parts_folder(snapshot)
     folder.mkdir(parents=True, exist_ok=True)
