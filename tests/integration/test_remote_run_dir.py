@@ -398,3 +398,26 @@ def test_fsdp_on_two_machines_uploads_each_machines_shards_from_its_own_mirror(s
         assert {".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"} <= set(manifest["files"])
     # machine 1 holds nothing of the snapshots once its shards are uploaded
     assert not [p for p in (tmp_path / "machine-1").rglob("*") if "snapshots" in str(p) and p.is_file()]
+
+
+def test_ddp_on_two_machines_commits_each_snapshot_once_the_other_machine_s_part_is_stored(
+        s3_server, tmp_path, local_runs, start):
+    """Each rank's part of a snapshot (its random states: snapshots/rank_parts.py) is written on its
+    own machine: rank 1's, on machine 1, goes up from there, and rank 0 commits each snapshot file
+    once it is in the store; the run is bitwise the local one, and machine 1 keeps nothing."""
+    url = s3_server.bucket("two-machines-ddp") + "/run"
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [start([str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-machines-ddp", "-m", "ddptrain", "train",
+                     "--task", "regression", "--max-epochs", "3", "--save-every", "5", "--momentum", "0.9",
+                     "--run-dir", url], env=clean_env(**_machine(s3_server, tmp_path, f"machine-{node}")))
+              for node in range(2)]
+    outputs = [agent.communicate(timeout=300) for agent in agents]
+    assert [a.returncode for a in agents] == [0, 0], outputs
+    assert_same_weights(_remote_model(s3_server, "two-machines-ddp/run"), load_model(local_runs / "ddp"), exact=True)
+    fs = s3_server.filesystem()
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("two-machines-ddp/run/snapshots")) == KEPT
+    for name in ("step-000000095", "step-000000096"):
+        manifest = json.loads(fs.cat_file(f"two-machines-ddp/run/snapshots/{name}.pt.manifest"))
+        assert sorted(manifest["files"]) == ["", "ranks/rank-00000-of-00002.pt", "ranks/rank-00001-of-00002.pt"]
+    assert not [p for p in (tmp_path / "machine-1").rglob("*") if "snapshots" in str(p) and p.is_file()]
