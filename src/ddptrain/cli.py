@@ -313,6 +313,8 @@ def plan_command(args: argparse.Namespace) -> int:
                           "steps before are not steady: DDP rebuilds its buckets and shares their order in its "
                           f"second); give --steps {fewest} or more")
     cfg = with_global_batch(cfg, target, args.global_batch)
+    # the ranks' device: a plan is for GPUs (--device auto) unless told cpu; its optimizer defaults are planned
+    target = dataclasses.replace(target, device="cpu" if cfg.device == "cpu" else "cuda")
     shown = sys.stderr if sys.stderr.isatty() and not args.json else None  # what each rank is doing, meanwhile
     found = make_plan(cfg, factory, target, chosen_ranks(args.ranks, target.world_size), hw, steps, args.fake_tensors,
                       shown)

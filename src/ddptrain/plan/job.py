@@ -89,8 +89,8 @@ def make_plan(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], hw
     restart_s = plane["failure_to_exit_s"] + hw.start_seconds + snapshot["write_s"]
     return {
         "target": {"world_size": target.world_size, "nnodes": target.nnodes, "nproc_per_node": target.nproc_per_node,
-                   "strategy": cfg.strategy, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
-                   "global_batch": cfg.global_batch(target.world_size),
+                   "device": target.device, "strategy": cfg.strategy, "batch_size": cfg.batch_size,
+                   "grad_accum": cfg.grad_accum, "global_batch": cfg.global_batch(target.world_size),
                    "steps_planned": max(f.steps_run for f in figures)},
         "hardware": dataclasses.asdict(hw),
         "ranks": [{**dataclasses.asdict(f), "peak_bytes": peak_bytes(f)} for f in figures],
