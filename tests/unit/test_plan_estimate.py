@@ -89,6 +89,7 @@ def test_the_ranks_and_the_global_batch_given():
 def _figures(**changes) -> RankFigures:
     base = dict(rank=0, parameters=10, parameter_bytes=1000, gradient_bytes=1000, optimizer_bytes=2000,
                 buffer_bytes=0, activation_bytes=5000, gathered_bytes=1000, snapshot_bytes=3000, generator_bytes=10,
+                snapshot_whole_bytes=3000, dcp_metadata_bytes=0,
                 flops_per_step=10, collectives={}, steps_per_epoch=4, train_samples=100, stand_ins=0,
                 eval_samples=None, eval_batches=0, eval_repeats=0, allocated_peak_bytes=12000,
                 steps_run=1)

@@ -79,7 +79,7 @@ def make_plan(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], hw
     heaviest = max(figures, key=peak_bytes)
     collectives = [{**c, **groups(c)} for c in heaviest.collectives.values()]
     timing = step_seconds(heaviest.flops_per_step, collectives, hw)
-    total_snapshot = _snapshot_total(cfg, target, figures)
+    total_snapshot = _snapshot_total(target, figures)
     snapshot = snapshot_seconds(max(f.snapshot_bytes for f in figures), total_snapshot, hw)
     job_mttf_s = cfg.mttf_hours * 3600 if cfg.mttf_hours else hw.rank_mttf_hours * 3600 / target.world_size
     interval = snapshot_interval_s(cfg.snapshots, timing["step_s_serial"], snapshot, job_mttf_s)
@@ -96,6 +96,7 @@ def make_plan(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], hw
         "ranks": [{**dataclasses.asdict(f), "peak_bytes": peak_bytes(f)} for f in figures],
         "collectives_per_step": collectives,
         "time": {**timing, **snapshot, "snapshot_interval_s": interval, "snapshot_total_bytes": total_snapshot,
+                 "dcp_metadata_bytes": max(f.dcp_metadata_bytes for f in figures),
                  "job_mttf_s": job_mttf_s, "restart_s": restart_s,
                  "goodput": goodput(job_mttf_s, interval, snapshot, restart_s)},
         "control_plane": plane,
@@ -162,7 +163,7 @@ def peak_bytes(f: RankFigures) -> int:
     """The most this rank needs at once: the most bytes of tensors it held at once in a steady
     step (measured: plan/memory.py), times the allocator's headroom (HEADROOM). (The sum of what
     it holds, its activations and FSDP's gathered parameters fell short by what the step makes
-    and drops: AdamW's temporaries alone are twice its moments' size, 48 MB of a 148 MB peak.)"""
+    and drops: on the CPU's path, AdamW's temporaries alone were 48 MB of a 148 MB peak.)"""
     return int(f.allocated_peak_bytes * HEADROOM)
 
 
@@ -188,14 +189,11 @@ def _collective_groups(cfg: RunConfig, target: Target) -> Any:
     return group
 
 
-def _snapshot_total(cfg: RunConfig, target: Target, figures: list[RankFigures]) -> int:
-    """A whole snapshot's bytes: rank 0's file, or every rank's entries (the planned ranks' mean,
-    times the ranks); and every rank's part (its random generators' states: snapshots/rank_parts.py)."""
-    generators = max(f.generator_bytes for f in figures)
-    own = [f.snapshot_bytes - generators for f in figures]
-    if cfg.strategy == "ddp":
-        return max(own) + generators * target.world_size
-    return int(sum(own) / len(own) * target.world_size) + generators * target.world_size
+def _snapshot_total(target: Target, figures: list[RankFigures]) -> int:
+    """A whole snapshot's bytes: rank 0's file, or every entry once and DCP's .metadata (summed
+    by the sharding rule: plan/rank._snapshot_whole); and every rank's part (its random
+    generators' states: snapshots/rank_parts.py)."""
+    return max(f.snapshot_whole_bytes for f in figures) + max(f.generator_bytes for f in figures) * target.world_size
 
 
 def notes(cfg: RunConfig, target: Target, figures: list[RankFigures]) -> list[str]:

@@ -21,6 +21,10 @@ def seconds(s: float) -> str:
     return f"{s:.3g} s" if s >= 0.001 else f"{s * 1e6:.3g} us"
 
 
+def _metadata(metadata_bytes: int) -> str:
+    return f" (DCP's .metadata {size(metadata_bytes)} of it, modelled)" if metadata_bytes else ""
+
+
 def format_plan(plan: dict[str, Any]) -> str:
     t, hw, time, plane = plan["target"], plan["hardware"], plan["time"], plan["control_plane"]
     lines = [f"plan: {t['strategy']} on {t['world_size']:,} ranks ({t['nnodes']:,} node(s) x {t['nproc_per_node']}), "
@@ -39,7 +43,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"step: compute {seconds(time['compute_s'])} at {hw['tflops']:g} TFLOP/s, communication "
         f"{seconds(time['communication_s'])} at {hw['link_gbps']:g} Gb/s between nodes ({hw['node_gbps']:g} inside); "
         f"{seconds(time['step_s_overlapped'])} to {seconds(time['step_s_serial'])} (overlapped to serial)",
-        f"snapshot: {size(time['snapshot_total_bytes'])} in all; blocks the step {seconds(time['blocking_s'])} "
+        f"snapshot: {size(time['snapshot_total_bytes'])} in all{_metadata(time['dcp_metadata_bytes'])}; blocks the "
+        f"step {seconds(time['blocking_s'])} "
         f"(copy at {hw['copy_gbs']:g} GB/s), written in {seconds(time['write_s'])} behind it "
         f"(at {hw['write_gbs']:g} GB/s), one every {seconds(time['snapshot_interval_s'])}",
         f"control plane: {plane['heartbeats_per_s']:,.3g} heartbeats/s and {plane['polls_per_s']:,.3g} verdict polls/s "
