@@ -351,9 +351,9 @@ FAKE_CASES = {"ddp-digits-accum2": ({**DIGITS, "grad_accum": 2}, 8),
 @pytest.mark.parametrize("case", list(FAKE_CASES))
 def test_fake_tensors_plan_what_real_ones_do(planner, case):
     """--fake-tensors: every figure of the first and the last rank as with real tensors, but the
-    snapshot's serialised sizes, the rank's and the whole (within 2%: 0.1-1.5% measured), the generators' (within 1%: 64 B)
-    and the peak (within 15%: under DDP, 91 KB above digits' 649 KB with real tensors, not traced;
-    FSDP's within 124 B)."""
+    snapshot's serialised sizes, the rank's and the whole (within 2%: 0.1-1.5% measured), the
+    generators' (within 1%: 64 B) and the peak (within 15%: under DDP, 91 KB above digits' 649 KB
+    with real tensors, not traced; FSDP's within 124 B)."""
     options, world = FAKE_CASES[case]
     for rank in (0, world - 1):
         real, fake = (planner.submit(_plan_rank, options, world, rank, 8, fake=f).result() for f in (False, True))
