@@ -95,7 +95,9 @@ def _add_plan_parser(commands: Any) -> None:
                        "snapshot's copy off the device (what blocks the step)"), ("write_gbs", "the file system's "
                        "write GB/s for the whole job"), ("start_seconds", "seconds a restarted job takes to start"),
                        ("rank_mttf_hours", "one rank's (GPU's) mean time to failure, hours: the job's is this over "
-                        "the ranks, unless --mttf-hours gives the job's")):
+                        "the ranks, unless --mttf-hours gives the job's"),
+                       ("latency_us", "microseconds one message between two ranks takes (a step of a ring or a "
+                        "tree algorithm), whatever its size")):
         figures.add_argument(flag(name), dest=name,
                              type=float, default=getattr(hw, name), help=f"{text} (default: {getattr(hw, name):g})")
     figures.add_argument("--memory-per-rank", dest="memory_per_rank_gb", type=float, default=None, metavar="GB",

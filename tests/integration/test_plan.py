@@ -216,6 +216,7 @@ def test_the_command_refuses_what_would_fail_at_scale_one_line_each():
         ("--world-size", "8", "--write-gbs", "0"): "--write-gbs must be a finite number > 0",
         ("--world-size", "8", "--rank-mttf-hours", "0"): "--rank-mttf-hours must be a finite number > 0",
         ("--world-size", "8", "--start-seconds", "-1"): "--start-seconds must be a number >= 0",
+        ("--world-size", "8", "--latency-us", "nan"): "--latency-us must be a finite number > 0, got nan",
         ("--world-size", "8", "--memory-per-rank", "-1"): "--memory-per-rank must be a finite number > 0",
         ("--world-size", "8", "--tflops", "inf"): "--tflops must be a finite number > 0, got inf",
         ("--nnodes", "2", "--nproc-per-node", "0"): "--nproc-per-node must be at least 1, got 0",
@@ -285,8 +286,10 @@ def test_the_plan_leaves_the_run_dir_and_the_folder_as_they_were(tmp_path):
     plan = json.loads(out)
     assert [r["rank"] for r in plan["ranks"]] == [0, 63] and plan["refusals"] == []
     assert plan["target"]["device"] == "cuda"  # (--device auto: a plan is for GPUs)
+    # (a latency-bound all-reduce over 64 ranks: NCCL's tree, 2 x 6 steps of --latency-us 5)
     assert plan["collectives_per_step"] == [{"kind": "all_reduce", "elements": 21, "dtype": "float32", "count": 1,
-                                             "bytes": 84, "group": 64, "in_node": False}]
+                                             "bytes": 84, "group": 64, "in_node": False, "algorithm": "tree",
+                                             "seconds": pytest.approx(60e-6, rel=0.01)}]
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
     assert list(here.iterdir()) == [] and "USDT" not in err
 
@@ -300,8 +303,9 @@ def test_the_table_names_idle_evaluation_ranks_and_which_collectives_cross_nodes
     out = capsys.readouterr().out
     assert "plan: hsdp on 16 ranks (2 node(s) x 8)" in out
     assert "rank(s) 15 hold no evaluation batch" in out and "running repeats" in out
-    kinds = {line.split(" of ")[0].split(" x ")[1]: line.split(" over ")[1] for line in out.splitlines()
-             if line.startswith("  ") and " over " in line}
+    per_step = out.split("collectives per step")[1].split("\n\n")[0]
+    kinds = {line.split(" of ")[0].split(" x ")[1]: line.split(" over ")[1].split(":")[0]
+             for line in per_step.splitlines() if line.startswith("  ") and " over " in line}
     assert kinds == {"all_gather": "8 ranks, inside a node", "reduce_scatter": "8 ranks, inside a node",
                      "all_reduce": "2 ranks, between nodes"}, out
     assert "goodput:" in out and "control plane:" in out
@@ -328,6 +332,20 @@ def test_a_plan_for_cuda_counts_the_temporaries_of_cuda_s_optimizer_path(planner
     assert planned["cpu"]["allocated_peak_bytes"] == left_to_cpu[0]["allocated_peak_bytes"]
     assert planned["auto"]["allocated_peak_bytes"] > 1.1 * planned["cpu"]["allocated_peak_bytes"], planned
     assert planned["auto"]["optimizer_bytes"] == planned["cpu"]["optimizer_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_a_plan_counts_what_the_agreement_and_a_snapshot_send_as_the_world_grows(planner):
+    """Beside a step's own collectives: the step records' sum at each stop agreement (3 numbers a
+    step of a --log-every window, and a task's own figures: the count test_costs.py's real runs
+    see; a max's column a rank grows with the world) and a snapshot's (under FSDP, DCP's save plan
+    gathered to rank 0: its pickle, measured on the planned rank; none under DDP's file)."""
+    options = {"task": "figure_tasks:regression_figures", "log_every": 5}
+    small, large = (planner.submit(_plan_rank, options, world, 0).result() for world in (2, 4096))
+    assert small["log_every"] == 5 and small["window_numbers"] == 3 * 5 + 2 + (1 + 2) + 2  # mean, max, sum
+    assert large["window_numbers"] == 3 * 5 + 2 + (1 + 4096) + 2
+    fsdp = planner.submit(_plan_rank, {**DIGITS, "strategy": "fsdp"}, 2, 0).result()
+    assert small["dcp_plan_bytes"] == 0 and fsdp["dcp_plan_bytes"] > 1000, fsdp["dcp_plan_bytes"]
 
 
 @pytest.mark.slow

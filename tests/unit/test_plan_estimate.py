@@ -11,11 +11,15 @@ from ddptrain.errors import ConfigError
 from ddptrain.observe.goodput import restart_goodput
 from ddptrain.plan.estimate import (
     Hardware,
+    agreement_collectives,
+    collective_seconds,
     control_plane,
     goodput,
+    snapshot_collectives,
     snapshot_interval_s,
     snapshot_seconds,
     step_seconds,
+    steps_per_agreement,
     wire_bytes,
 )
 from ddptrain.plan.job import chosen_ranks, peak_bytes, refusals, with_global_batch
@@ -34,7 +38,7 @@ def test_ring_collectives_send_what_the_ring_algorithms_do():
 
 def test_a_step_is_between_full_overlap_and_none():
     one_gb = {"kind": "all_gather", "elements": 10**9 // 4, "bytes": 10**9, "count": 2, "group": 2}
-    hw = Hardware(tflops=100, link_gbps=80, node_gbps=800)
+    hw = Hardware(tflops=100, link_gbps=80, node_gbps=800, latency_us=0)  # (bandwidth alone: latency below)
     t = step_seconds(10**14, [{**one_gb, "in_node": False}], hw)
     assert t["compute_s"] == pytest.approx(1.0) and t["communication_s"] == pytest.approx(2 * 0.5 * 8 / 80)
     assert t["step_s_overlapped"] == pytest.approx(1.0) and t["step_s_serial"] == pytest.approx(1.1)
@@ -44,7 +48,52 @@ def test_a_step_is_between_full_overlap_and_none():
 
 def test_a_snapshot_blocks_its_copy_and_writes_behind():
     s = snapshot_seconds(2 * 10**9, 64 * 10**9, Hardware(copy_gbs=20, write_gbs=8))
-    assert s == {"blocking_s": pytest.approx(0.1), "write_s": pytest.approx(8.0)}
+    assert s == {"blocking_s": pytest.approx(0.1), "write_s": pytest.approx(8.0), "snapshot_collectives_s": 0}
+    # its collectives: the barrier on the training's path, DCP's behind it in the writer's thread
+    hw = Hardware(copy_gbs=20, write_gbs=8, latency_us=5)
+    timed = [{**c, "seconds": collective_seconds(c, hw)[0]}
+             for c in snapshot_collectives(True, 1024, False, plan_bytes=100_000, metadata_bytes=10**6)]
+    assert [c["kind"] for c in timed] == ["barrier", "gather", "scatter", "gather", "broadcast"]
+    with_them = snapshot_seconds(2 * 10**9, 64 * 10**9, hw, timed)
+    assert with_them["blocking_s"] == pytest.approx(0.1 + timed[0]["seconds"])
+    assert with_them["write_s"] == pytest.approx(8.0 + sum(c["seconds"] for c in timed[1:]))
+    # DCP's plans through rank 0's link: 1,023 x 100 KB at 400 Gb/s, after a ring of sizes
+    assert timed[1]["seconds"] == pytest.approx(1023 * 5e-6 + 1023 * 100_000 * 8 / 400e9)
+    assert [c["kind"] for c in snapshot_collectives(False, 1024, False, 0, 0)] == ["barrier"]  # a file snapshot
+
+
+def test_a_collective_costs_its_steps_latency_and_its_bytes_and_takes_the_faster_algorithm():
+    """A ring all-reduce over N ranks: 2(N - 1) steps; NCCL's tree: 2 log2 N steps, each rank
+    sending its buffer about twice. The stop agreement's 3 numbers over 16,384 ranks: 164 ms by
+    a ring, 140 us by a tree, which NCCL picks; a 1 GB all-reduce over 8 ranks: the ring."""
+    hw = Hardware(link_gbps=400, node_gbps=3600, latency_us=5)
+
+    def timed(kind: str, elements: int, group: int, in_node: bool = False) -> tuple[float, str]:
+        return collective_seconds({"kind": kind, "elements": elements, "bytes": 4 * elements, "group": group,
+                                   "in_node": in_node}, hw)
+
+    assert timed("all_reduce", 3, 16384) == (pytest.approx(2 * 14 * 5e-6, rel=0.01), "tree")
+    ring = 2 * 16383 * 5e-6
+    assert ring == pytest.approx(0.164, rel=0.01) and timed("all_reduce", 3, 16384)[0] < ring / 1000
+    seconds, algorithm = timed("all_reduce", 250_000_000, 8, in_node=True)
+    assert algorithm == "ring" and seconds == pytest.approx(14 * 5e-6 + 2 * 1e9 * 7 / 8 * 8 / 3600e9)
+    # a ring all-gather: N - 1 steps, the others' shares once
+    assert timed("all_gather", 16384 * 1000, 16384) == (pytest.approx(16383 * 5e-6 + 16383 * 4000 * 8 / 400e9),
+                                                          "ring")
+    assert timed("barrier", 1, 16384) == (pytest.approx(2 * 14 * 5e-6, rel=0.01), "tree")  # an all-reduce of one
+    assert timed("all_reduce", 1000, 1) == (0.0, "-")  # a group of one: nothing
+
+
+def test_the_agreement_comes_every_half_second_of_steps_with_the_step_records_beside_it():
+    assert steps_per_agreement(0.001) == 500 and steps_per_agreement(2.0) == 1 and steps_per_agreement(1e-6) == 1000
+    stop, records = agreement_collectives(16384, False, steps=500, log_every=10, window_numbers=3 * 10 + 2)
+    assert (stop["kind"], stop["elements"], records["kind"]) == ("all_reduce", 3, "all_reduce")
+    assert records["elements"] == 50 * 32 + 1 and records["bytes"] == 8 * records["elements"]  # float64
+    # a step's share: the agreement's two all-reduces over its steps
+    hw = Hardware(latency_us=5)
+    alone = step_seconds(0, [], hw)["communication_s"]
+    shared = step_seconds(0, [], hw, [stop, records], 500)["communication_s"]
+    assert alone == 0 and shared == pytest.approx(sum(collective_seconds(c, hw)[0] for c in (stop, records)) / 500)
 
 
 def test_snapshot_intervals_follow_the_checkpointer():
@@ -89,7 +138,7 @@ def test_the_ranks_and_the_global_batch_given():
 def _figures(**changes) -> RankFigures:
     base = dict(rank=0, parameters=10, parameter_bytes=1000, gradient_bytes=1000, optimizer_bytes=2000,
                 buffer_bytes=0, activation_bytes=5000, gathered_bytes=1000, snapshot_bytes=3000, generator_bytes=10,
-                snapshot_whole_bytes=3000, dcp_metadata_bytes=0,
+                snapshot_whole_bytes=3000, dcp_metadata_bytes=0, dcp_plan_bytes=0, log_every=10, window_numbers=30,
                 flops_per_step=10, collectives={}, steps_per_epoch=4, train_samples=100, stand_ins=0,
                 eval_samples=None, eval_batches=0, eval_repeats=0, allocated_peak_bytes=12000,
                 steps_run=1)

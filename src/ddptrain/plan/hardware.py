@@ -11,7 +11,7 @@ from ..errors import ConfigError
 # Each figure's flag, and whether 0 is a figure a machine can have (a restart that takes no time can).
 FLAGS = {"tflops": "--tflops", "link_gbps": "--link-gbps", "node_gbps": "--node-gbps", "copy_gbs": "--copy-gbs",
          "write_gbs": "--write-gbs", "start_seconds": "--start-seconds", "rank_mttf_hours": "--rank-mttf-hours",
-         "memory_per_rank_gb": "--memory-per-rank"}
+         "latency_us": "--latency-us", "memory_per_rank_gb": "--memory-per-rank"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +26,8 @@ class Hardware:
     start_seconds: float = 60.0  # a restarted job's start-up before its first step (import, rendezvous, build)
     rank_mttf_hours: float = 50_000.0  # one GPU's mean time to failure (Llama 3: 419 unexpected
     # interruptions in 54 days on 16,384 GPUs, a job MTTF of 3.1 h)
+    latency_us: float = 5.0  # one message between two ranks, start to end (a step of a ring or a tree):
+    # NCCL's per-step cost over InfiniBand, a few microseconds
     memory_per_rank_gb: float | None = None  # refuse a plan whose peak is above it
 
     def check(self) -> None:

@@ -19,7 +19,18 @@ from ..comm import DistContext
 from ..errors import ConfigError
 from ..parallel.base import replica_groups
 from ..settings import RunConfig
-from .estimate import HEADROOM, control_plane, goodput, snapshot_interval_s, snapshot_seconds, step_seconds
+from .estimate import (
+    HEADROOM,
+    agreement_collectives,
+    collective_seconds,
+    control_plane,
+    goodput,
+    snapshot_collectives,
+    snapshot_interval_s,
+    snapshot_seconds,
+    step_seconds,
+    steps_per_agreement,
+)
 from .hardware import Hardware
 from .memory import available_memory
 from .progress import Progress, listen
@@ -77,10 +88,18 @@ def make_plan(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], hw
     figures = plan_ranks(cfg, factory, target, ranks, steps, fake, shown)
     groups = _collective_groups(cfg, target)
     heaviest = max(figures, key=peak_bytes)
-    collectives = [{**c, **groups(c)} for c in heaviest.collectives.values()]
-    timing = step_seconds(heaviest.flops_per_step, collectives, hw)
+    collectives = _timed([{**c, **groups(c)} for c in heaviest.collectives.values()], hw)
+    # the stop agreement and the step records' sum, every few steps (as many as the step's time makes)
+    agree_every = steps_per_agreement(step_seconds(heaviest.flops_per_step, collectives, hw)["step_s_serial"])
+    world, in_node = target.world_size, target.nnodes == 1
+    per_agreement = _timed(agreement_collectives(world, in_node, agree_every, heaviest.log_every,
+                                                 max(f.window_numbers for f in figures)), hw)
+    timing = step_seconds(heaviest.flops_per_step, collectives, hw, per_agreement, agree_every)
     total_snapshot = _snapshot_total(target, figures)
-    snapshot = snapshot_seconds(max(f.snapshot_bytes for f in figures), total_snapshot, hw)
+    per_snapshot = _timed(snapshot_collectives(cfg.strategy != "ddp", world, in_node,
+                                               max(f.dcp_plan_bytes for f in figures),
+                                               max(f.dcp_metadata_bytes for f in figures)), hw)
+    snapshot = snapshot_seconds(max(f.snapshot_bytes for f in figures), total_snapshot, hw, per_snapshot)
     job_mttf_s = cfg.mttf_hours * 3600 if cfg.mttf_hours else hw.rank_mttf_hours * 3600 / target.world_size
     interval = snapshot_interval_s(cfg.snapshots, timing["step_s_serial"], snapshot, job_mttf_s)
     unwritten = snapshot_interval_s(cfg.snapshots, timing["step_s_serial"], snapshot, job_mttf_s, writes=False)
@@ -95,6 +114,8 @@ def make_plan(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], hw
         "hardware": dataclasses.asdict(hw),
         "ranks": [{**dataclasses.asdict(f), "peak_bytes": peak_bytes(f)} for f in figures],
         "collectives_per_step": collectives,
+        "collectives_per_agreement": {"every_steps": agree_every, "collectives": per_agreement},
+        "collectives_per_snapshot": per_snapshot,
         "time": {**timing, **snapshot, "snapshot_interval_s": interval, "snapshot_total_bytes": total_snapshot,
                  "dcp_metadata_bytes": max(f.dcp_metadata_bytes for f in figures),
                  "job_mttf_s": job_mttf_s, "restart_s": restart_s,
@@ -187,6 +208,15 @@ def _collective_groups(cfg: RunConfig, target: Target) -> Any:
         return {"group": size, "in_node": target.nnodes == 1 or (consecutive and size <= per_node)}
 
     return group
+
+
+def _timed(collectives: list[dict[str, Any]], hw: Hardware) -> list[dict[str, Any]]:
+    """Each collective with its time and the algorithm NCCL would pick (estimate.collective_seconds)."""
+    timed = []
+    for c in collectives:
+        seconds, algorithm = collective_seconds(c, hw)
+        timed.append({**c, "seconds": seconds, "algorithm": algorithm})
+    return timed
 
 
 def _snapshot_total(target: Target, figures: list[RankFigures]) -> int:

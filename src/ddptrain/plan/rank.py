@@ -17,6 +17,7 @@ import dataclasses
 import io
 import itertools
 import math
+import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +34,7 @@ from ..data.sampling import StepSampler
 from ..data.streams import is_stream
 from ..errors import ConfigError
 from ..observe.metrics import GradNorms, RankTimings
+from ..observe.step_figures import step_figures
 from ..observe.throughput import FlopCount
 from ..optim import build_optimizer, build_schedule, run_steps
 from ..parallel import make_strategy
@@ -80,6 +82,9 @@ class RankFigures:
     generator_bytes: int  # this rank's random generators' states (its part of a snapshot: it writes them)
     snapshot_whole_bytes: int  # the whole snapshot but the ranks' parts, by the sharding rule (_snapshot_whole)
     dcp_metadata_bytes: int  # DCP's .metadata among them (modelled; 0 for a file snapshot)
+    dcp_plan_bytes: int  # this rank's DCP save plan, pickled (what DCP gathers to rank 0; 0: a file snapshot)
+    log_every: int  # steps a step record covers (--log-every as the run resolves it)
+    window_numbers: int  # numbers a closed window adds to the step records' sum (3 a step, a task's figures)
     flops_per_step: int
     collectives: dict[str, dict[str, int | str]]  # "all_reduce[21]": {kind, elements, dtype, bytes, count}
     steps_per_epoch: int | None  # None: a stream's epoch ends when it does
@@ -129,6 +134,7 @@ def measure_rank(cfg: RunConfig, factory: Any, ctx: DistContext, steps: int = 2,
         gathered_bytes=_gathered_bytes(strategy, module, run.task, run.cfg.precision),
         snapshot_bytes=_snapshot_bytes(strategy, module, optimizer, ctx) + generators,  # (and its own part)
         generator_bytes=generators, snapshot_whole_bytes=whole, dcp_metadata_bytes=metadata,
+        dcp_plan_bytes=_dcp_plan_bytes(strategy, module, optimizer, ctx), **_step_records(run, ctx),
         flops_per_step=run.step.flops.per_step or 0, collectives=run.collectives.table(),
         allocated_peak_bytes=run.peak_bytes(), steps_run=run.steps,
         **_data_shares(run.task, run.cfg, ctx, strategy, run.step.batches.steps_per_epoch))
@@ -424,6 +430,28 @@ def _snapshot_whole(strategy: Strategy, module: torch.nn.Module,
             chunks += isinstance(entry, torch.Tensor)
     metadata = METADATA_BYTES + METADATA_PER_ENTRY * len(named) + names + METADATA_PER_CHUNK * chunks
     return total + metadata, metadata
+
+
+def _step_records(run: _Run, ctx: DistContext) -> dict[str, int]:
+    """The step records' share of the agreement's collectives (observe/step_records.py): a window
+    of --log-every steps, 3 numbers a step, and a task's own figures (a max's: 1 + 1 a rank)."""
+    log_every = run.cfg.observe.log_interval(run_steps(run.cfg.training, run.step.batches.steps_per_epoch))
+    figures = sum(f.width(ctx.world_size) for f in step_figures(run.task.step_figures))
+    return {"log_every": log_every, "window_numbers": 3 * log_every + figures}
+
+
+def _dcp_plan_bytes(strategy: Strategy, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    ctx: DistContext) -> int:
+    """This rank's save plan as DCP pickles it to gather it to rank 0 (DefaultSavePlanner's local
+    plan: a write item per entry, no collective); 0 for a file snapshot."""
+    if strategy.snapshot_format == "file":
+        return 0
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    state = strategy.state(module, optimizer)
+    planner = DefaultSavePlanner()
+    planner.set_up_planner({"model": state["model"], "optimizer": state["optimizer"]}, is_coordinator=ctx.is_main)
+    return len(pickle.dumps(planner.create_local_plan()))
 
 
 def _written_shards(entry: Any) -> int:

@@ -21,6 +21,15 @@ def seconds(s: float) -> str:
     return f"{s:.3g} s" if s >= 0.001 else f"{s * 1e6:.3g} us"
 
 
+def _collective_line(c: dict[str, Any]) -> str:
+    """'  2 x all_gather of 16,512 float32 (66 KB) over 8 ranks, inside a node: ring, 12 us each',
+    and what it is for, where the plan says."""
+    where = "inside a node" if c["in_node"] else "between nodes"
+    what = f" ({c['what']})" if c.get("what") else ""
+    return (f"  {c['count']} x {c['kind']} of {c['elements']:,} {c['dtype']} ({size(c['bytes'])}) over "
+            f"{c['group']:,} ranks, {where}: {c['algorithm']}, {seconds(c['seconds'])} each{what}")
+
+
 def _metadata(metadata_bytes: int) -> str:
     return f" (DCP's .metadata {size(metadata_bytes)} of it, modelled)" if metadata_bytes else ""
 
@@ -31,12 +40,15 @@ def format_plan(plan: dict[str, Any]) -> str:
              f"batch {t['batch_size']} x accumulation {t['grad_accum']} x ranks = global batch {t['global_batch']:,}",
              "", _rank_table(plan["ranks"]), "", "collectives per step (the heaviest rank's, counted in step "
              f"{t['steps_planned']} of {t['steps_planned']}):"]
-    for c in plan["collectives_per_step"]:
-        where = "inside a node" if c["in_node"] else "between nodes"
-        lines.append(f"  {c['count']} x {c['kind']} of {c['elements']:,} {c['dtype']} ({size(c['bytes'])}) over "
-                     f"{c['group']:,} ranks, {where}")
+    lines += [_collective_line(c) for c in plan["collectives_per_step"]]
     if not plan["collectives_per_step"]:
         lines.append("  none (one rank: nothing to synchronise)")
+    if t["world_size"] > 1:
+        agreement = plan["collectives_per_agreement"]
+        lines += ["", f"every {agreement['every_steps']:,} step(s), the stop and snapshot agreement (every "
+                  "0.5 s of steps), and the step records' sum beside it:"]
+        lines += [_collective_line(c) for c in agreement["collectives"]]
+        lines += ["", "per snapshot:"] + [_collective_line(c) for c in plan["collectives_per_snapshot"]]
     goodput = time["goodput"]
     lines += [
         "",
