@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +26,11 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse, but a mistake is one line (no usage block) and exit status 2."""
 
     def error(self, message: str) -> NoReturn:
+        switch = re.match(r"argument (--[\w-]+)(?:/(--[\w-]+))?: ignored explicit argument '(.*)'$", message)
+        if switch:  # --compile=False: a switch given a value
+            off = f"{switch[2]} for off" if switch[2] else "leave it out for off"
+            message = (f"{switch[1]} is a switch and takes no value (got {switch[3]!r}): give {switch[1]} to turn "
+                       f"it on, {off}")
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -165,14 +171,15 @@ def build_parser() -> OneLineParser:
 
 
 def _nearest(unknown: list[str], command: str) -> str:
-    """``; did you mean --log-every?`` for the first unknown flag of ``train`` that is close to one."""
+    """``; did you mean --log-every?`` for the first unknown flag of ``train`` that is close to one
+    (or another trainer's name for one: settings.parsing.hint_for)."""
     if command != "train":
         return ""
-    from .settings.parsing import nearest_flag
+    from .settings.parsing import hint_for
 
     for word in unknown:
-        if word.startswith("--") and (close := nearest_flag(word.split("=", 1)[0])):
-            return f"; did you mean {close}?"
+        if word.startswith("--") and (hint := hint_for(word.split("=", 1)[0])):
+            return f"; {hint}"
     return ""
 
 

@@ -73,8 +73,8 @@ def from_options(options: Mapping[str, Any], where: str = "option") -> RunConfig
     for key, value in options.items():
         name = setting_name(key)
         if name not in FIELDS:
-            close = nearest_flag(name)
-            hint = f" (did you mean {close}?)" if close else ""
+            said = hint_for(name)
+            hint = f" ({said})" if said else ""
             raise ConfigError(f"{where} {key!r} is not a ddptrain setting{hint}; "
                               "`ddptrain train --help` lists them")
         if name in spelled:
@@ -142,7 +142,34 @@ NAMES_ELSEWHERE = {
     "gradient_accumulation_steps": "grad_accum", "accumulate_grad_batches": "grad_accum",
     "per_device_train_batch_size": "batch_size", "out_dir": "run_dir", "output_dir": "run_dir",
     "dtype": "precision", "save_steps": "save_every", "lr_scheduler_type": "lr_schedule",
+    "default_root_dir": "run_dir", "report_to": "tracker", "wandb_log": "tracker",
 }
+
+# Names other trainers use whose answer is not one flag (docs/from-nanogpt.md's and
+# docs/from-other-trainers.md's tables: tests/unit/test_foreign_names.py reads every row).
+ANSWERS_ELSEWHERE = {
+    "always_save_checkpoint": "snapshots are always written: --save-seconds and --save-every say how often, "
+                              "--keep-best eval_loss keeps the best evaluation's weights apart",
+    "init_from": "run the same command again to resume its run; --init-from FOLDER|model.pt|FILE.safetensors "
+                 "starts a new run from weights",
+    "resume_from_checkpoint": "run the same command again: it resumes from its run dir's newest snapshot "
+                              "(--run-dir)",
+    "eval_only": "--max-epochs 0 evaluates the model and ends",
+    "block_size": "a sequence's length is your task's: TokenFile(path, block_size) in its factory",
+    "bf16": "--precision bf16", "fp16": "--precision fp16",
+    "devices": "--nproc N ranks on this machine (or torchrun --nproc-per-node N)",
+    "num_nodes": "start the ranks of several machines with torchrun --nnodes N or srun (docs/multinode.md)",
+}
+
+
+def hint_for(name: str) -> str | None:
+    """What to say of a setting name ddptrain does not have: ``did you mean --log-every?`` for a
+    mistyped or borrowed one, what to do where the answer is not one flag, or None."""
+    key = name.strip().lstrip("-").replace("-", "_")
+    if key in ANSWERS_ELSEWHERE:
+        return ANSWERS_ELSEWHERE[key]
+    close = nearest_flag(name)
+    return f"did you mean {close}?" if close else None
 
 
 def nearest_flag(name: str) -> str | None:
