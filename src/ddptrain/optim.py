@@ -49,6 +49,28 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimizerSettings,
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def nanogpt_schedule(warmup_iters: int, lr_decay_iters: int, min_lr: float) -> SchedulerFactory:
+    """nanoGPT's ``get_lr`` (train.py) as a ``Task.make_scheduler``: before its optimizer step
+    ``it`` (0-based) a rate rising as ``lr * (it + 1) / (warmup_iters + 1)``, then falling by a
+    cosine to ``min_lr`` at ``lr_decay_iters``, ``min_lr`` after; whatever the run's length (give
+    ``--max-steps max_iters + 1``: nanoGPT steps at iterations 0 to max_iters). ``lr`` is each
+    parameter group's own (nanoGPT's groups share ``learning_rate``). --warmup-steps W rises as
+    (it + 1) / W instead, and --lr-schedule cosine decays over the run."""
+    def make(optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+        def factor_of(base: float) -> Callable[[int], float]:
+            def factor(it: int) -> float:
+                if it < warmup_iters:
+                    return (it + 1) / (warmup_iters + 1)
+                if it > lr_decay_iters or base == 0:
+                    return min_lr / base if base else 0.0
+                decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+                coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+                return (min_lr + coeff * (base - min_lr)) / base
+            return factor
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, [factor_of(g["lr"]) for g in optimizer.param_groups])
+    return make
+
+
 def run_steps(training: TrainingSettings, steps_per_epoch: int | None) -> int | None:
     """The run's length in optimizer steps: --max-steps or the epochs' steps, the fewer (None:
     unknown, epochs of a stream)."""

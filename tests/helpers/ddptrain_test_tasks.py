@@ -416,3 +416,13 @@ def noisy_regression(cfg) -> Task:
 
 
 kill_noisy = killable(noisy_regression)
+
+
+def nanogpt_scheduled(cfg) -> Task:
+    """The regression task under nanoGPT's schedule (ddptrain.optim.nanogpt_schedule): 4 steps of
+    warm-up, a cosine to 1e-3 at iteration 10."""
+    from ddptrain.optim import nanogpt_schedule
+
+    task = regression_task(cfg)
+    task.make_scheduler = nanogpt_schedule(warmup_iters=4, lr_decay_iters=10, min_lr=1e-3)
+    return task
