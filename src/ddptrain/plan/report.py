@@ -53,7 +53,8 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines += [
         "",
         f"step: compute {seconds(time['compute_s'])} at {hw['tflops']:g} TFLOP/s, communication "
-        f"{seconds(time['communication_s'])} at {hw['link_gbps']:g} Gb/s between nodes ({hw['node_gbps']:g} inside); "
+        f"{seconds(time['communication_s'])} at {hw['link_gbps']:g} Gb/s between nodes ({hw['node_gbps']:g} inside) "
+        f"and {hw['latency_us']:g} us a message; "
         f"{seconds(time['step_s_overlapped'])} to {seconds(time['step_s_serial'])} (overlapped to serial)",
         f"snapshot: {size(time['snapshot_total_bytes'])} in all{_metadata(time['dcp_metadata_bytes'])}; blocks the "
         f"step {seconds(time['blocking_s'])} "
