@@ -38,6 +38,29 @@ def test_the_message_names_the_limit_reached_and_its_advice_trains_on(limits, ep
     assert epoch < followed.epochs and (followed.max_steps is None or step < followed.max_steps)
 
 
+def _refused(before: RunConfig, after: RunConfig) -> bool:
+    """Whether a resume under ``after`` of a run made under ``before`` is refused (its math changed)."""
+    from ddptrain.settings.fingerprint import math_fingerprint
+
+    return math_fingerprint(before, 2) != math_fingerprint(after, 2)
+
+
+def test_the_advice_is_what_a_resume_accepts_and_a_decaying_schedule_is_told_to_start_anew():
+    """A larger --max-steps resumes a run at a constant rate; under a decay spanning the run it
+    would change every step's rate, and a resume refuses it (#78): the message says so and how to
+    train on from the weights instead."""
+    constant = RunConfig(max_steps=100)
+    assert _advice(finished_message("runs/x", constant, 3, 100, MODEL)) == {"--max-steps": 100}
+    assert not _refused(constant, RunConfig(max_steps=150))
+    cosine = RunConfig(max_steps=100, lr_schedule="cosine", warmup_steps=10)
+    message = finished_message("runs/x", cosine, 3, 100, MODEL)
+    assert _refused(cosine, RunConfig(max_steps=150, lr_schedule="cosine", warmup_steps=10))
+    assert _advice(message) == {} and message.count("\n") == 0
+    assert ("its --lr-schedule cosine (--warmup-steps 10) spans those steps, so a longer run would change every "
+            "step's rate and is refused; to train on, start a new run from its weights: --init-from "
+            "runs/x/model.pt --run-dir ANOTHER") in message, message
+
+
 def test_a_run_stopped_before_its_model_says_so():
     message = finished_message("runs/x", RunConfig(max_steps=10), 0, 10, None)
     assert "was stopped past 10 step(s), before model.pt" in message

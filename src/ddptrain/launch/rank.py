@@ -39,6 +39,7 @@ from ..resilience.stop_signals import PREEMPTED_EXIT_CODE
 from ..resilience.watchdog import PERIOD_S, Watchdog
 from ..run_dir import RunDir
 from ..settings import RunConfig
+from ..settings.sections import LONGER_RUN_SAME_MATH
 from ..tasks.protocol import Task, TaskFactory
 from ..trainer import Trainer
 from .environments import Environment, detect
@@ -291,10 +292,17 @@ def finished_message(run_dir: str, cfg: RunConfig, epoch: int, step: int, model:
                 "--early-stop (or 0); to train afresh, pass --resume never or another --run-dir")
     what = " and ".join(f"{at} {unit}" for _, _, at, unit in limits)
     reached = " and ".join(f"{flag} {value:g}" for flag, value, _, _ in limits)
-    advice = " and ".join(f"a larger {flag} (above {at})" for flag, _, at, _ in limits)
     done = f"already finished {what}; its model is {model}" if model else f"was stopped past {what}, before model.pt"
-    return (f"{run_dir} holds a run that {done}. It reached {reached} at step {step}; to train it longer, pass "
-            f"{advice}; to train afresh, pass --resume never or another --run-dir")
+    if all(getattr(cfg, name) == value for name, value in LONGER_RUN_SAME_MATH.items()):
+        advice = " and ".join(f"a larger {flag} (above {at})" for flag, _, at, _ in limits)
+        longer = f"to train it longer, pass {advice}"
+    else:  # the schedule spans the run: a longer one changes every step's rate (a resume refuses it)
+        weights = model or f"{run_dir.rstrip('/')}/model.pt"
+        longer = (f"its --lr-schedule {cfg.lr_schedule} (--warmup-steps {cfg.warmup_steps}) spans those steps, so a "
+                  f"longer run would change every step's rate and is refused; to train on, start a new run from its "
+                  f"weights: --init-from {weights} --run-dir ANOTHER (its optimizer starts afresh)")
+    return (f"{run_dir} holds a run that {done}. It reached {reached} at step {step}; {longer}; to train afresh, "
+            "pass --resume never or another --run-dir")
 
 
 def restarts_of_this_job() -> int:
