@@ -217,6 +217,13 @@ def test_curves_are_drawn_by_step_from_step_records_and_evaluations():
                       "eval_loss": [[15, 1.9], [23, 1.6], [35, 1.3]], "epochs": [[0, 23]]}
     epochs_only = curve_series([r for r in records if r["kind"] != "step"])
     assert epochs_only["train_loss"] == [[23, 1.7], [35, 1.1]]  # a run without step records: its epochs
+    # the learning rate at each step record; an evaluation on --eval-batches' subset apart from the
+    # whole set's (one line joined them, with no marker)
+    records[0]["lr"], records[2]["lr"] = 0.1, 0.05
+    records[1]["evaluated_on"] = "--eval-batches subset"
+    series = curve_series(records)
+    assert series["lr"] == [[10, 0.1], [20, 0.05]]
+    assert series["eval_loss_subset"] == [[15, 1.9]] and series["eval_loss"] == [[23, 1.6], [35, 1.3]]
 
 
 def test_a_step_records_console_line_leads_with_its_step():

@@ -279,7 +279,9 @@ def format_summary(summary: dict[str, Any]) -> str:
 def curve_series(records: list[dict[str, Any]]) -> dict[str, Any]:
     """What ``curves.png`` draws, by optimizer step: ``train_loss`` at each step record
     (--log-every; a run without them: at each epoch's end), every evaluation figure at the step
-    it was taken, and ``epochs``: the step each epoch ended at. ``report --json`` holds it too."""
+    it was taken (on --eval-batches' subset: ``<name>_subset``, apart from the whole set's),
+    ``lr`` at each step record, and ``epochs``: the step each epoch ended at. ``report --json``
+    holds it too."""
     steps = [r for r in records if r.get("kind") == "step"]
     epochs = [r for r in records if r.get("kind") == "epoch"]
     trained = steps or epochs
@@ -287,8 +289,14 @@ def curve_series(records: list[dict[str, Any]]) -> dict[str, Any]:
                                              if isinstance(r.get("train_loss"), (int, float))]}
     names = sorted({k for r in records for k in r if k.startswith(EVALUATED) and not k.endswith("eval_samples")})
     for name in names:  # an evaluation's own record and an epoch's that carries one, each step once
-        points = {r["step"]: r[name] for r in records if isinstance(r.get(name), (int, float))}
-        series[name] = [[step, value] for step, value in sorted(points.items())]
+        for subset, key in ((False, name), (True, f"{name}_subset")):
+            points = {r["step"]: r[name] for r in records
+                      if isinstance(r.get(name), (int, float)) and bool(r.get("evaluated_on")) == subset}
+            if points or not subset:
+                series[key] = [[step, value] for step, value in sorted(points.items())]
+    rates = [[r["step"], r["lr"]] for r in steps if isinstance(r.get("lr"), (int, float))]
+    if rates:
+        series["lr"] = rates
     series["epochs"] = [[r["epoch"], r["step"]] for r in epochs if not r.get("partial")]
     return series
 
@@ -305,16 +313,21 @@ def plot_curves(run_dir: Path) -> str | None:
     series = curve_series(read_metrics(run_dir))
     if not any(points for name, points in series.items() if name != "epochs"):
         return "curves.png not drawn: no step logged, no epoch finished, no evaluation"
-    panels = [("loss", ["train_loss", "eval_loss", "ema_eval_loss"])]
-    extra = [k for k in series if k.startswith("eval_") and k != "eval_loss"]
-    panels += [(k.removeprefix("eval_"), [k, f"ema_{k}"]) for k in extra]
+    panels = [("loss", ["train_loss", "eval_loss", "eval_loss_subset", "ema_eval_loss", "ema_eval_loss_subset"])]
+    extra = [k for k in series if k.startswith("eval_") and not k.startswith("eval_loss") and not k.endswith("_subset")]
+    panels += [(k.removeprefix("eval_"), [k, f"{k}_subset", f"ema_{k}", f"ema_{k}_subset"]) for k in extra]
+    if series.get("lr"):
+        panels.append(("learning rate", ["lr"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
     for ax, (title, keys) in zip(axes[0], panels):
         for key in keys:
             points = series.get(key, [])
             if points:
                 many = len(points) > 40  # a step-logged loss: a line; evaluations: points on it
-                ax.plot(*zip(*points), marker="" if many else "o", markersize=4, label=key)
+                subset = key.endswith("_subset")  # --eval-batches' samples: hollow, apart from the whole set's
+                ax.plot(*zip(*points), marker="" if many else ("s" if subset else "o"), markersize=4,
+                        fillstyle="none" if subset else "full", linestyle=":" if subset else "-",
+                        label=f"{key.removesuffix('_subset')} (--eval-batches subset)" if subset else key)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
