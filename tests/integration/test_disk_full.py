@@ -28,10 +28,16 @@ def small_disk(tmp_path):
 @pytest.mark.slow
 def test_a_disk_that_fills_mid_run_is_one_line_and_the_run_resumes_bitwise_once_space_is_freed(small_disk, tmp_path):
     assert_ok(ddptrain_cli("train", *FLAGS, "--run-dir", str(tmp_path / "straight")))
-    snapshot = max(p.stat().st_size for p in (tmp_path / "straight" / "snapshots").iterdir())
+    snapshots = tmp_path / "straight" / "snapshots"
+    snapshot = max(p.stat().st_size for p in snapshots.glob("step-*.pt"))
+    parts = max(sum(part.stat().st_size for part in folder.iterdir()) for folder in snapshots.glob("step-*.ranks"))
     filler = small_disk / "filler"
-    # Room for two snapshots (--keep 2) and the run's small files, not for the third beside them.
-    filler.write_bytes(b"\0" * (shutil.disk_usage(small_disk).free - int(2.6 * snapshot) - (96 << 10)))
+    # Room for two snapshots (--keep 2), the three snapshots' parts (each rank's, written before the
+    # file: snapshots/rank_parts.py) and the run's small files; not for the third file beside them.
+    # (Where the parts were left out, the disk filled before the file, and the ranks' error reports
+    # on it could not be written: torch's agent then failed reading an empty one, a traceback.)
+    room = int(2.6 * snapshot) + 3 * parts + (96 << 10)
+    filler.write_bytes(b"\0" * (shutil.disk_usage(small_disk).free - room))
     run_dir = small_disk / "run"
 
     full = ddptrain_cli("train", *FLAGS, "--run-dir", str(run_dir))

@@ -257,3 +257,18 @@ def test_rotation_removes_a_file_s_parts_with_it_and_parts_whose_file_never_came
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "step-000000007.pt", "step-000000007.ranks", "step-000000009.pt", "step-000000009.ranks",
         "step-000000011.ranks"]
+
+
+def test_a_snapshot_larger_than_the_free_space_is_refused_before_a_byte_is_written(tmp_path):
+    """A snapshot that cannot fit is DiskFull (the one line) before its write fills the disk: a
+    write into the last free bytes failed the run's other writers meanwhile (its step records, the
+    ranks' error reports). 40 TB of state (a view of one number: no memory) on this disk."""
+    from ddptrain.errors import DiskFull
+
+    (tmp_path / "snapshots").mkdir()
+    huge = {"model": {"w": torch.zeros(1).expand(10**13)}}
+    with pytest.raises(DiskFull, match=r"no space left in .* writing step-000000003\.pt \(.* MB free; it takes "
+                                       r"about 38146972\.7 MB\); no snapshot was written yet"):
+        files.atomic_save(huge, tmp_path / "snapshots" / "step-000000003.pt")
+    assert list((tmp_path / "snapshots").iterdir()) == []  # nothing begun, nothing left
+    assert files.room_for(10, tmp_path) and not files.room_for(4 * 10**13, tmp_path)

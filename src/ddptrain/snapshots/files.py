@@ -87,6 +87,10 @@ def atomic_save(obj: Any, path: Path) -> None:
     """``torch.save`` that leaves either the old file or the complete new one, never a part; a
     disk that fills up meanwhile is ``DiskFull`` (one line), not torch's writer's message."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    if not room_for(state_bytes(obj), path.parent):  # refused before the disk is filled: a snapshot
+        # written into the last free bytes failed the run's other writers meanwhile (its records, the
+        # ranks' error reports, seen as a torch traceback where this line belonged)
+        raise disk_full(path, state_bytes(obj))
     try:
         with open(tmp, "wb") as handle:
             torch.save(obj, handle)
@@ -103,6 +107,17 @@ def atomic_save(obj: Any, path: Path) -> None:
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 LOW_SPACE = 4 << 20  # bytes: a failed write with less than this free is taken for a full disk
+
+
+def room_for(size: int, folder: Path) -> bool:
+    """Whether ``folder``'s file system says it has ``size`` bytes free; True where it says nothing
+    of use (a total of 0: some FUSE mounts report no sizes), so a write is only refused on a disk
+    known to be too full."""
+    try:
+        usage = shutil.disk_usage(folder)
+    except OSError:
+        return True
+    return usage.total == 0 or usage.free >= size
 
 
 def out_of_space(error: BaseException, folder: Path) -> bool:
