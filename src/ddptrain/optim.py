@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
+from .schedules import lr_factor
 from .settings import OptimizerSettings, TrainingSettings
 from .tasks.protocol import SchedulerFactory
 
@@ -20,32 +21,13 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim: OptimizerSettin
     return torch.optim.SGD(params, lr=lr, momentum=optim.hparam("momentum"), weight_decay=decay)
 
 
-def lr_factor(schedule: str, warmup_steps: int, total_steps: int, floor: float = 0.0) -> Callable[[int], float]:
-    """Multiplier of the base learning rate before optimizer step ``step`` (0-based).
-
-    Warm-up rises linearly to 1 over ``warmup_steps``; then ``cosine`` falls as
-    0.5 * (1 + cos(pi * p)) and ``linear`` as 1 - p, where p runs from 0 to 1 over the
-    remaining steps, from 1 to ``floor`` (--min-lr over --lr) rather than to 0.
-    """
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        if schedule == "cosine":
-            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-        return floor + (1.0 - floor) * (1.0 - progress)
-    return factor
-
-
 def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimizerSettings,
                     total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """--lr-schedule over ``total_steps``: every parameter group's rate decays to the same fraction
     of its own, --min-lr / --lr (one group at --lr: to --min-lr exactly)."""
     base = optim.hparam("lr")
     floor = optim.min_lr / base if base > 0 else 0.0
-    factor = lr_factor(optim.lr_schedule, optim.warmup_steps, total_steps, floor)
+    factor = lr_factor(optim.lr_schedule, optim.warmup_steps, total_steps, floor, optim.decay_fraction)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 

@@ -40,11 +40,12 @@ from .resilience.guard import NonFiniteGuard
 from .resilience.replicas import ReplicaGroups, data_context
 from .resilience.stop_signals import StopSignal
 from .run_dir import RunDir
+from .schedules import decay_start
 from .settings import OPTIMIZER_SETTINGS, RunConfig, unset_settings
 from .snapshots.best import BestModel, best_model
 from .snapshots.checkpointer import Checkpointer, OneTable
 from .snapshots.files import list_snapshots, snapshot_dir
-from .snapshots.init_from import load_into, read_weights
+from .snapshots.init_from import load_into, load_training_state, read_weights
 from .snapshots.restore import Snapshot, restore_point, resumed_config
 from .snapshots.uploads import Uploader, rank_uploader
 from .step import OptimizerStep, share_buffers
@@ -182,7 +183,8 @@ def build_parts(task: Task, cfg: RunConfig, ctx: DistContext) -> RunParts:
                 **({"semi_sync": semi_sync} if semi_sync is not None else {})},
         per_rank={**({"data": batches} if isinstance(batches, StreamBatches) else {}),
                   **({"group_optimizers": GroupOptimizers(optimizer, mesh, ctx)} if mesh is not None else {})},
-        start=start, group=cpu_group, uploads=uploads, on_committed=ray.committed if ray.active else None)
+        start=start, group=cpu_group, uploads=uploads, on_committed=ray.committed if ray.active else None,
+        spare_step=cadence.save_at)
     stop_signal = StopSignal(cpu_group, checkpointer.due_by_time if ctx.is_main else None, ctx.watchdog)
 
     timings, flops, clock = RankTimings(params), FlopCount(), TrainingClock()
@@ -247,6 +249,8 @@ def choose_start(task: Task, cfg: RunConfig, ctx: DistContext, home: RunDir, mod
     weights (loaded into ``module``), else the model as built; and the settings it continues with
     (a resume on another world size keeps the snapshot's global batch)."""
     def init_from() -> str:
+        if cfg.init_optimizer:
+            return load_training_state(weights, cfg.init_from)
         return load_into(module, read_weights(cfg.init_from), cfg.init_from, cfg.init_from_partial)
 
     # --init-from is read before a fresh start moves an earlier run's files aside (it may be one of them)
@@ -272,9 +276,21 @@ def build_batches(task: Task, cfg: RunConfig, ctx: DistContext, cpu_group: Any) 
 
 
 def make_cadence(cfg: RunConfig, progress: Progress, evaluates: bool, best: BestModel | None) -> Cadence:
-    """What is due after each step: evaluations, --save-every's snapshots, the run's end."""
+    """What is due after each step: evaluations, --save-every's snapshots (and the one before a
+    warmup-stable-decay's decay: stable_end), the run's end."""
     return Cadence(cfg.training, cfg.evaluation, cfg.save_every, progress, evaluates,
-                   stopped_early=lambda: best is not None and best.stopped)
+                   stopped_early=lambda: best is not None and best.stopped,
+                   save_at=stable_end(cfg, progress.steps_per_epoch))
+
+
+def stable_end(cfg: RunConfig, steps_per_epoch: int | None) -> int | None:
+    """With --decay-fraction, the step at which the decay begins: its snapshot is kept whatever
+    --keep says, the one a longer run goes on from exactly (restore.py). None otherwise."""
+    total = run_steps(cfg.training, steps_per_epoch)
+    if cfg.decay_fraction is None or cfg.lr_schedule == "constant" or total is None:
+        return None
+    start = decay_start(cfg.warmup_steps, total, cfg.decay_fraction)
+    return start if 0 < start < total else None
 
 
 def build_evaluations(task: Task, cfg: RunConfig, ctx: DistContext, strategy: Strategy, module: torch.nn.Module,
@@ -287,6 +303,9 @@ def build_evaluations(task: Task, cfg: RunConfig, ctx: DistContext, strategy: St
                            task.collate_fn, equal_counts=strategy.forward_syncs)
 
     evaluated = task.eval_set
+    if evaluated is None and cfg.eval_at_start:
+        raise ConfigError(f"--eval-at-start: the task {cfg.task} has no evaluation set (Task.eval_set) to evaluate; "
+                          "drop --eval-at-start")
     if evaluated is not None and cfg.eval_batches:
         evaluated = eval_subset(evaluated, cfg.eval_batches * cfg.batch_size, cfg.seed)
     subset = evaluated is not task.eval_set

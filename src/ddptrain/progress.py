@@ -85,10 +85,12 @@ class Cadence:
     judge's verdict, the same on every rank)."""
 
     def __init__(self, training: TrainingSettings, evaluation: EvaluationSettings, save_every: int,
-                 progress: Progress, evaluates: bool, stopped_early: Callable[[], bool] = lambda: False) -> None:
+                 progress: Progress, evaluates: bool, stopped_early: Callable[[], bool] = lambda: False,
+                 save_at: int | None = None) -> None:
+        """``save_at``: a step whose snapshot is also due (a warmup-stable-decay's last before the decay)."""
         self.max_epochs, self.max_steps = training.epochs, training.max_steps
         self.eval_every, self.eval_every_steps = evaluation.eval_every, evaluation.eval_every_steps
-        self.save_every = save_every
+        self.save_every, self.save_at = save_every, save_at
         self.progress, self.evaluates, self.stopped_early = progress, evaluates, stopped_early
 
     def after_step(self, stop_requested: bool = False, snapshot_requested: bool = False) -> Action:
@@ -99,7 +101,8 @@ class Cadence:
         every = self.eval_every_steps
         return Action(stop=stop, end=end,
                       evaluate=not (stop or end) and self.evaluates and every > 0 and step % every == 0,
-                      save=snapshot_requested or (self.save_every > 0 and step % self.save_every == 0),
+                      save=snapshot_requested or step == self.save_at or
+                      (self.save_every > 0 and step % self.save_every == 0),
                       epoch_over=self.progress.epoch_over)
 
     def judged(self, action: Action) -> Action:

@@ -122,7 +122,8 @@ class Trainer:
             parts.cadence = make_cadence(parts.cfg, parts.progress, parts.task.eval_set is not None, parts.best)
             parts.step.scheduler = build_schedule(parts.optimizer, parts.cfg.optim, parts.run_steps,
                                                   parts.task.make_scheduler)
-            parts.checkpointer.retarget(recorded(parts.cfg, parts.ctx.world_size), SchedulerState(parts.step.scheduler))
+            parts.checkpointer.retarget(recorded(parts.cfg, parts.ctx.world_size), SchedulerState(parts.step.scheduler),
+                                        parts.cadence.save_at)
         return self.fit()
 
     def _fit(self, exiting: bool) -> str:
@@ -152,6 +153,8 @@ class Trainer:
                           f"{parts.steps_per_epoch or 'as many as the stream gives'} steps per epoch")
         if parts.cfg.epochs == 0:  # the initial model's evaluation, before epoch 0
             reporter.log(self._evaluation(0, final=True))
+        elif parts.cfg.eval_at_start and parts.start is None:
+            reporter.log(self._evaluation(0))
         parts.groups.start(progress.global_step)  # torchft's --sync groups meet (a restarted one heals)
         parts.records.start()
         # (a one-rank job alone: standing still in the loop is a hang; torchft's groups are not alone)

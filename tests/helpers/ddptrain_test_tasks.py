@@ -426,3 +426,24 @@ def nanogpt_scheduled(cfg) -> Task:
     task = regression_task(cfg)
     task.make_scheduler = nanogpt_schedule(warmup_iters=4, lr_decay_iters=10, min_lr=1e-3)
     return task
+
+
+def optimizer_probe(cfg) -> Task:
+    """The regression task under AdamW (its own, at --lr); before its first optimizer step, rank 0
+    writes what the optimizer holds, by parameter name, and its groups' rates to $OPTIMIZER_PROBE."""
+    task = regression_task(cfg)
+    module, built, probed = task.model, [], []
+    task.make_optimizer = lambda params: built.append(torch.optim.AdamW(params, lr=cfg.hparam("lr"))) or built[0]
+
+    def step_fn(model, batch):
+        if not probed and os.environ.get("RANK") == "0" and os.environ.get("OPTIMIZER_PROBE"):
+            optimizer = built[0]
+            state = {name: {k: v.clone() for k, v in optimizer.state[p].items()}
+                     for name, p in module.named_parameters()}
+            torch.save({"state": state, "lr": [g["lr"] for g in optimizer.param_groups]}, os.environ["OPTIMIZER_PROBE"])
+        probed.append(True)
+        inputs, targets = batch
+        return F.mse_loss(model(inputs), targets)
+
+    task.step_fn, task.loss_fn = step_fn, None
+    return task

@@ -31,7 +31,7 @@ from ddptrain.cli import build_parser
 from helpers.commands import BIN, REPO, TESTS, ForkedCommand, clean_env, descendants, run
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```(\S+)(?: ([\w ]+))?\n(.*?)^```\n", re.S | re.M)
+FENCE = re.compile(r"^```(\S+)(?: ([\w ./=-]+))?\n(.*?)^```\n", re.S | re.M)
 
 
 def blocks(kind: str) -> list[tuple[str, str, str | None]]:
@@ -55,6 +55,15 @@ def blocks(kind: str) -> list[tuple[str, str, str | None]]:
 def commands(kind: str) -> list[tuple[str, str]]:
     return [(doc, line.strip()) for doc, body, _ in blocks(kind) for line in body.splitlines()
             if line.strip() and not line.strip().startswith("#")]
+
+
+def test_a_file_a_page_shows_is_that_file_as_it_is():
+    """A ``python file=PATH`` block shows PATH of the repository whole (the run blocks use the file)."""
+    shown = [(doc.name, marks.split("=", 1)[1], body) for doc in DOCS for lang, marks, body in
+             (fence.groups() for fence in FENCE.finditer(doc.read_text())) if (marks or "").startswith("file=")]
+    assert {path for _, path, _ in shown} >= {"examples/nanogpt/nanogpt_task.py", "examples/nanogpt/sample.py"}
+    for doc, path, body in shown:
+        assert body == (REPO / path).read_text(), f"{doc} shows {path} other than it is"
 
 
 def test_docs_mark_commands_and_show_their_output():

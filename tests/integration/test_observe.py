@@ -188,6 +188,23 @@ def test_zero_epochs_evaluates_the_initial_model(tmp_path, capfd):
 
 
 @pytest.mark.slow
+def test_eval_at_start_evaluates_the_initial_weights_once_and_changes_no_weight(tmp_path, capfd):
+    """--eval-at-start: a record before step 1 with --max-epochs 0's figures (the initial
+    weights, the whole set), shown as "before training"; the weights trained after it equal a run's
+    without it, bit for bit; a resumed run does not evaluate its start again."""
+    fit("digits", tmp_path / "initial", max_epochs=0)
+    (initial,) = read_metrics(tmp_path / "initial")
+    fit("digits", tmp_path / "at-start", max_steps=3, eval_at_start=True, eval_every=0)
+    first, *rest = read_metrics(tmp_path / "at-start")
+    assert first["kind"] == "eval" and first["step"] == 0 and first["eval_loss"] == initial["eval_loss"]
+    assert "before training | step 0 | eval_loss" in capfd.readouterr().out
+    fit("digits", tmp_path / "plain", max_steps=3, eval_every=0)
+    assert_same_weights(load_model(tmp_path / "at-start"), load_model(tmp_path / "plain"), exact=True)
+    fit("digits", tmp_path / "at-start", max_steps=5, eval_at_start=True, eval_every=0)
+    assert [r["step"] for r in read_metrics(tmp_path / "at-start") if r["kind"] == "eval"] == [0]
+
+
+@pytest.mark.slow
 def test_progress_bar_when_asked(tmp_path, capfd):
     assert main(["train", "--nproc", "2", "--max-epochs", "1", "--progress", "--run-dir", str(tmp_path)]) == 0
     err = capfd.readouterr().err

@@ -58,7 +58,8 @@ def test_the_advice_is_what_a_resume_accepts_and_a_decaying_schedule_is_told_to_
     assert _advice(message) == {} and message.count("\n") == 0
     assert ("its --lr-schedule cosine (--warmup-steps 10) spans those steps, so a longer run would change every "
             "step's rate and is refused; to train on, start a new run from its weights: --init-from "
-            "runs/x/model.pt --run-dir ANOTHER") in message, message
+            "runs/x/model.pt --run-dir ANOTHER (its optimizer afresh; --init-from runs/x --init-optimizer carries its "
+            "optimizer's state too)") in message, message
 
 
 def test_a_run_stopped_before_its_model_says_so():

@@ -8,7 +8,11 @@ import math
 import pytest
 import torch
 
-from ddptrain.optim import lr_factor, nanogpt_schedule
+from ddptrain.errors import ConfigError
+from ddptrain.optim import nanogpt_schedule
+from ddptrain.schedules import decay_start, lr_factor, schedule_agrees
+from ddptrain.settings import RunConfig
+from ddptrain.snapshots.restore import Snapshot, resumed_config
 from helpers.commands import fit
 
 LEARNING_RATE, WARMUP_ITERS, LR_DECAY_ITERS, MIN_LR, MAX_ITERS = 6e-4, 20, 60, 6e-5, 70
@@ -60,3 +64,73 @@ def test_a_run_under_nanogpt_schedule_records_get_lr_at_each_step(tmp_path):
     assert sorted(rates) == list(range(1, 13))
     for step, rate in rates.items():
         assert rate == pytest.approx(get_lr(step, 0.05, 4, 10, 1e-3), rel=1e-12), step
+
+
+def test_a_decay_fraction_holds_the_rate_then_decays_over_the_run_s_last_share():
+    """--decay-fraction 0.25 of 20 steps after a warm-up of 2: the rate holds at 1 from step 2 to
+    14, then falls by the cosine over the last 5 steps (to the floor's share), as a decay over
+    the whole span would over 5 steps."""
+    factor = lr_factor("cosine", 2, 20, floor=0.1, decay_fraction=0.25)
+    assert [factor(step) for step in range(2)] == [0.5, 1.0]
+    assert all(factor(step) == 1.0 for step in range(2, 16))
+    for k in range(5):
+        assert factor(15 + k) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 5)), abs=1e-15)
+    assert decay_start(2, 20, 0.25) == 15 and decay_start(2, 20, None) == 2
+    assert decay_start(18, 20, 0.5) == 18  # never inside the warm-up
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_without_a_decay_fraction_every_rate_is_the_one_before_it(schedule):
+    """Runs begun before --decay-fraction resume bitwise: their factors are 0.6's formula, bit for bit."""
+    def before(step: int, warmup: int = 3, total: int = 17, floor: float = 0.2) -> float:  # 0.6's lr_factor
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "cosine":
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return floor + (1.0 - floor) * (1.0 - progress)
+    ours = lr_factor(schedule, 3, 17, 0.2)
+    assert [ours(step) for step in range(20)] == [before(step) for step in range(20)]
+
+
+def _optim(**settings):
+    return RunConfig(**settings).optim
+
+
+def test_a_longer_run_agrees_with_the_rates_so_far_only_before_its_decay():
+    """schedule_agrees(saved length, new length, the snapshot's step): warmup-stable-decay agrees
+    up to the decay's start under the shorter length and not after; a whole-span cosine only
+    inside its warm-up; a constant rate always."""
+    wsd = _optim(lr_schedule="linear", warmup_steps=2, decay_fraction=0.25)
+    assert schedule_agrees(wsd, 12, 20, 9) and schedule_agrees(wsd, 20, 12, 9)  # 12's decay starts at 9
+    assert not schedule_agrees(wsd, 12, 20, 10)
+    cosine = _optim(lr_schedule="cosine", warmup_steps=4)
+    assert schedule_agrees(cosine, 12, 20, 3) and not schedule_agrees(cosine, 12, 20, 5)
+    assert schedule_agrees(_optim(warmup_steps=4), 12, 20, 11)
+
+
+def _snapshot(path, step: int, max_steps: int, cfg: RunConfig) -> Snapshot:
+    return Snapshot(path, {"world_size": 2, "progress": {"global_step": step},
+                           "fingerprint": cfg.replace(max_steps=max_steps).math_fingerprint(2)})
+
+
+def test_a_resume_with_a_larger_max_steps_goes_on_before_the_decay_and_names_the_way_after(tmp_path):
+    """resumed_config: --max-steps 12 -> 20 from step 9 (before 12's decay) is accepted in one
+    line; from step 12 it is refused in one line that names the kept snapshot before the decay;
+    any other change beside the length is refused as before."""
+    cfg = RunConfig(lr_schedule="cosine", decay_fraction=0.25, max_steps=20)
+    said: list[str] = []
+    before_decay = tmp_path / "step-000000009.pt"
+    before_decay.touch()
+    assert resumed_config(_snapshot(before_decay, 9, 12, cfg), cfg, 2, said.append) == cfg
+    assert said == ["--max-steps 12 → 20 at step 9: every step so far had the rate a run of 20 steps gives it, "
+                    "so the run goes on as one started with 20 (its decay begins at step 15)"]
+    with pytest.raises(ConfigError) as refused:
+        resumed_config(_snapshot(tmp_path / "step-000000012.pt", 12, 12, cfg), cfg, 2, said.append)
+    assert "cannot go on exactly; resume its snapshot from before the decay with --resume " \
+           f"{before_decay}, or keep --max-steps 12" in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(ConfigError, match=r"taken with other settings \(.*momentum"):
+        resumed_config(_snapshot(before_decay, 9, 12, cfg), cfg.replace(momentum=0.5), 2, said.append)
+    whole = RunConfig(lr_schedule="cosine", max_steps=20)
+    with pytest.raises(ConfigError, match="with --decay-fraction F .* --init-from"):
+        resumed_config(_snapshot(tmp_path / "step-000000012.pt", 12, 12, whole), whole, 2, said.append)

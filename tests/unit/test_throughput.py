@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ddptrain.observe.throughput import FlopCount, device_peak_tflops, throughput_record
+from ddptrain.observe.throughput import FlopCount, device_peak_tflops, peak_tflops_of, throughput_record
 
 
 def test_a_linear_language_models_counted_flops_are_six_times_parameters_times_tokens():
@@ -66,3 +66,19 @@ def test_the_summary_keeps_a_small_models_tflops_to_3_significant_digits(tmp_pat
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in epochs))
     summary = summarize(tmp_path)
     assert (summary["tflops"], summary["mfu"], summary["samples_per_s"]) == (5.21e-07, 1.23e-05, 7850.0)
+
+
+def test_a_gpu_s_peak_is_known_from_its_name_the_longer_model_first():
+    """torch.cuda.get_device_name's strings: a PCIe H100 is not an SXM one, an L40S not an L40."""
+    assert peak_tflops_of("NVIDIA H100 80GB HBM3") == 989.0 and peak_tflops_of("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops_of("NVIDIA L40S") == 362.0 and peak_tflops_of("NVIDIA L40") == 181.0
+    assert peak_tflops_of("NVIDIA A100-SXM4-80GB") == 312.0 and peak_tflops_of("NVIDIA GeForce GTX 1080") is None
+
+
+def test_a_small_mfu_is_shown_with_its_digits_never_as_zero():
+    from ddptrain.observe.report import console_line
+
+    line = console_line({"kind": "epoch", "epoch": 0, "step": 8, "train_loss": 1.0, "tflops": 9.88e-5, "mfu": 4.2e-5})
+    assert line.endswith("9.88e-05 TFLOP/s (MFU 0.0042%)"), line
+    large = console_line({"kind": "epoch", "epoch": 0, "step": 8, "tflops": 400.0, "mfu": 0.4046})
+    assert large.endswith("(MFU 40.5%)"), large

@@ -12,7 +12,7 @@ from torch.utils.data import Subset, TensorDataset
 from ddptrain import ConfigError, RunConfig
 from ddptrain.cli import main
 from ddptrain.data import eval_subset
-from ddptrain.observe.report import config_json, console_line, curve_series, summarize
+from ddptrain.observe.report import config_json, console_line, curve_series, format_summary, summarize
 from ddptrain.observe.step_figures import StepFigure
 from ddptrain.observe.step_records import StepWindow
 from ddptrain.observe.tracking import metrics_of, params_of
@@ -280,6 +280,23 @@ def test_the_summarys_wall_is_the_runs_over_every_attempt(tmp_path):
     assert summary["wall_time_s"] == 9.5 and summary["attempts"] == 2
     (tmp_path / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")  # a run not ended: its epochs
     assert summarize(tmp_path)["wall_time_s"] == 2.0
+
+
+def test_the_summary_shows_the_last_window_s_loss_beside_the_epoch_s_mean(tmp_path):
+    """The last epoch's mean reaches back to its first step; the newest step record's window is
+    where the run ended: both in the summary, each said for what it is."""
+    records = [{"kind": "step", "epoch": 0, "step": 10, "train_loss": 2.6},
+               {"kind": "step", "epoch": 0, "step": 20, "train_loss": 2.168},
+               {"kind": "epoch", "epoch": 0, "step": 23, "train_loss": 2.437, "epoch_time_s": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = summarize(tmp_path)
+    assert (summary["train_loss"], summary["train_loss_last_window"], summary["last_window"]) == \
+        (2.437, 2.168, "steps 11-20")
+    shown = format_summary(summary)
+    assert "train_loss              2.437 (the last epoch's mean)" in shown
+    assert "train_loss_last_window  2.168\n  last_window             steps 11-20" in shown
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(records[2]) + "\n")  # no step records: no window
+    assert "last_window" not in summarize(tmp_path)
 
 
 def test_trackers_get_a_step_records_figures_apart_from_an_epochs_at_the_same_step():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 import os
 import signal
 import sys
@@ -37,9 +38,11 @@ from ..resilience.failures import COLLECTIVE_NOTE, hard_exit, lost_peer, record_
 from ..resilience.hold import RunDirHold, job_id
 from ..resilience.stop_signals import PREEMPTED_EXIT_CODE
 from ..resilience.watchdog import PERIOD_S, Watchdog
-from ..run_dir import RunDir
+from ..run_dir import RunDir, snapshot_name
+from ..schedules import decay_start
 from ..settings import RunConfig
 from ..settings.sections import LONGER_RUN_SAME_MATH
+from ..snapshots.files import snapshot_dir
 from ..tasks.protocol import Task, TaskFactory
 from ..trainer import Trainer
 from .environments import Environment, detect
@@ -293,16 +296,32 @@ def finished_message(run_dir: str, cfg: RunConfig, epoch: int, step: int, model:
     what = " and ".join(f"{at} {unit}" for _, _, at, unit in limits)
     reached = " and ".join(f"{flag} {value:g}" for flag, value, _, _ in limits)
     done = f"already finished {what}; its model is {model}" if model else f"was stopped past {what}, before model.pt"
+    before_decay = _snapshot_before_decay(run_dir, cfg)
     if all(getattr(cfg, name) == value for name, value in LONGER_RUN_SAME_MATH.items()):
         advice = " and ".join(f"a larger {flag} (above {at})" for flag, _, at, _ in limits)
         longer = f"to train it longer, pass {advice}"
+    elif before_decay is not None:  # a warmup-stable-decay: the snapshot before its decay goes on exactly
+        longer = (f"its decay (--decay-fraction {cfg.decay_fraction:g}) began after {before_decay}, which goes on "
+                  f"exactly: to train it longer, pass --resume {before_decay} and a larger --max-steps")
     else:  # the schedule spans the run: a longer one changes every step's rate (a resume refuses it)
         weights = model or f"{run_dir.rstrip('/')}/model.pt"
         longer = (f"its --lr-schedule {cfg.lr_schedule} (--warmup-steps {cfg.warmup_steps}) spans those steps, so a "
                   f"longer run would change every step's rate and is refused; to train on, start a new run from its "
-                  f"weights: --init-from {weights} --run-dir ANOTHER (its optimizer starts afresh)")
+                  f"weights: --init-from {weights} --run-dir ANOTHER (its optimizer afresh; --init-from "
+                  f"{run_dir.rstrip('/')} --init-optimizer carries its optimizer's state too)")
     return (f"{run_dir} holds a run that {done}. It reached {reached} at step {step}; {longer}; to train afresh, "
             "pass --resume never or another --run-dir")
+
+
+def _snapshot_before_decay(run_dir: str, cfg: RunConfig) -> Path | None:
+    """A warmup-stable-decay run's snapshot from the step its decay began (kept whatever --keep
+    says: parts.stable_end), where it is in ``run_dir``; None otherwise."""
+    if cfg.decay_fraction is None or cfg.max_steps is None or cfg.epochs != math.inf:
+        return None
+    step = decay_start(cfg.warmup_steps, cfg.max_steps, cfg.decay_fraction)
+    folder = snapshot_dir(Path(run_dir))
+    found = [folder / snapshot_name(step, folder=dcp) for dcp in (False, True)]
+    return next((path for path in found if path.exists()), None)
 
 
 def restarts_of_this_job() -> int:

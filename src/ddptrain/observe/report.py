@@ -35,6 +35,11 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _percent(share: float) -> str:
+    """A share as a percentage with its leading digits: a small model's MFU of 4e-5 is 0.004%, not 0.0%."""
+    return f"{share:.1%}" if share >= 0.01 else f"{share * 100:.2g}%"
+
+
 def kept_on_resume(record: dict[str, Any], step: int, epoch: int) -> bool:
     """Whether a metrics.jsonl record stays when a run resumes at ``step`` inside (or at the
     start of) ``epoch``: records up to the snapshot's step, except the resumed epoch's own
@@ -264,15 +269,20 @@ def console_line(record: dict[str, Any], figures: tuple[str, ...] = ()) -> str:
     if record.get("tokens_per_s"):
         parts.append(f"{record['tokens_per_s']:,.0f} tokens/s")
     if record.get("tflops"):
-        parts.append(f"{record['tflops']:.3g} TFLOP/s" + (f" (MFU {record['mfu']:.1%})" if "mfu" in record else ""))
+        mfu = f" (MFU {_percent(record['mfu'])})" if "mfu" in record else ""
+        parts.append(f"{record['tflops']:.3g} TFLOP/s{mfu}")
     if "epoch_time_s" in record:
         parts.append(f"{record['epoch_time_s']:.2f} s")
     return " | ".join(parts)
 
 
+SUMMARY_NOTES = {"train_loss": "the last epoch's mean"}  # what a figure is, where its name alone misleads
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     width = max((len(k) for k in summary), default=0)
-    lines = ["summary"] + [f"  {k.ljust(width)}  {_fmt(v)}" for k, v in summary.items()]
+    lines = ["summary"] + [f"  {k.ljust(width)}  {_fmt(v)}" + (f" ({SUMMARY_NOTES[k]})" if k in SUMMARY_NOTES else "")
+                           for k, v in summary.items()]
     return "\n".join(lines)
 
 
@@ -374,7 +384,8 @@ def summarize(run_dir: Path) -> dict[str, Any]:
             mean = sum(rates) / len(rates)
             summary[name] = round(mean, 1) if name.endswith("_per_s") else float(f"{mean:.3g}")
     if epochs:
-        summary["train_loss"] = epochs[-1]["train_loss"]
+        summary["train_loss"] = epochs[-1]["train_loss"]  # the last epoch's mean
+    summary.update(last_window(records))
     evaluated = [r for r in records if any(k.startswith("eval_") for k in r)]
     if evaluated:
         summary.update({k: v for k, v in evaluated[-1].items() if k.startswith(EVALUATED)})
@@ -397,6 +408,18 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     if slow:
         summary["stragglers"] = slow
     return summary
+
+
+def last_window(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The newest step record's training loss (--log-every's window: where the run ended, where the
+    epoch's mean ``train_loss`` reaches back to the epoch's start) and the steps it spans."""
+    windows = [r for r in records if r.get("kind") == "step" and isinstance(r.get("train_loss"), (int, float))]
+    if not windows:
+        return {}
+    last = windows[-1]
+    before = [r["step"] for r in windows[:-1] if r["step"] < last["step"]]
+    return {"train_loss_last_window": last["train_loss"],
+            "last_window": f"steps {before[-1] + 1 if before else 1}-{last['step']}"}
 
 
 def stragglers(epochs: list[dict[str, Any]]) -> str:

@@ -27,7 +27,7 @@ import torch
 
 # Dense bf16 TFLOP/s of one device, as vendors state them (SXM parts where there are two).
 PEAK_TFLOPS = {
-    "H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0,
+    "H200": 989.0, "H100": 989.0, "H100 PCIE": 756.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0,
     "A800": 312.0, "L40S": 362.0, "L40": 181.0, "L4": 121.0, "A10G": 70.0, "A10": 125.0, "V100": 125.0,
     "T4": 65.0, "MI300X": 1307.0, "MI250X": 383.0,
 }
@@ -35,10 +35,13 @@ PEAK_TFLOPS = {
 
 def device_peak_tflops(device: torch.device) -> float | None:
     """The dense bf16 peak of ``device`` when it is a GPU this table knows, else None."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device).upper()
-    for model in sorted(PEAK_TFLOPS, key=len, reverse=True):  # "H100" before "H10", "L40S" before "L40"
+    return peak_tflops_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def peak_tflops_of(device_name: str) -> float | None:
+    """PEAK_TFLOPS of the model a device's name (``torch.cuda.get_device_name``) names, else None."""
+    name = device_name.upper()
+    for model in sorted(PEAK_TFLOPS, key=len, reverse=True):  # "H100 PCIE" before "H100", "L40S" before "L40"
         if model in name:
             return PEAK_TFLOPS[model]
     return None

@@ -52,6 +52,10 @@ def validate(cfg: RunConfig) -> None:
         (math.isfinite(cfg.min_lr) and cfg.min_lr >= 0, f"--min-lr must be a finite number >= 0, got {cfg.min_lr}"),
         (cfg.lr is None or cfg.min_lr <= cfg.lr, f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}: a decay ends "
          "below where it starts; lower --min-lr"),
+        (cfg.decay_fraction is None or 0 < cfg.decay_fraction <= 1,
+         f"--decay-fraction must be in (0, 1] (the run's last share of steps that decay), got {cfg.decay_fraction}"),
+        (cfg.decay_fraction is None or cfg.lr_schedule != "constant",
+         "--decay-fraction belongs to a decaying --lr-schedule (cosine or linear); add one, or drop --decay-fraction"),
         (math.isfinite(cfg.eps) and cfg.eps > 0, f"--eps must be a finite number > 0, got {cfg.eps}"),
         (cfg.log_every is None or cfg.log_every >= 0, f"--log-every must be >= 0 (0: off), got {cfg.log_every}"),
         (cfg.eval_batches >= 0, f"--eval-batches must be >= 0 (0: the whole set), got {cfg.eval_batches}"),
@@ -92,6 +96,11 @@ def validate(cfg: RunConfig) -> None:
          "--ema-every"),
         (cfg.init_from or not cfg.init_from_partial,
          "--init-from-partial belongs to --init-from PATH; add it, or drop --init-from-partial"),
+        (cfg.init_from or not cfg.init_optimizer,
+         "--init-optimizer belongs to --init-from SNAPSHOT; add it, or drop --init-optimizer"),
+        (not (cfg.init_optimizer and cfg.init_from_partial),
+         "--init-optimizer needs the snapshot's model whole (its optimizer's state is the whole model's); drop "
+         "--init-from-partial or --init-optimizer"),
     ]
     for ok, message in checks:
         if not ok:

@@ -102,6 +102,10 @@ class OptimizerSettings(Section):
     lr_schedule: str = setting("learning-rate schedule over the optimizer steps",
                                choices=("constant", "cosine", "linear"), default="constant", role=math())
     warmup_steps: int = setting("steps of linear warm-up before the schedule", default=0, role=math())
+    decay_fraction: float | None = setting("decay over the run's last F of its steps only, the rate held until then "
+                                           "(warmup-stable-decay: a run resumed before its decay with a larger "
+                                           "--max-steps goes on exactly; default: decay from the warm-up's end)",
+                                           default=None, role=math(omitted_at=None, unless={"lr_schedule": "constant"}))
     min_lr: float = setting("the rate cosine and linear decay end at (nanoGPT's min_lr)", default=0.0,
                             role=math(omitted_at=0.0))
     precision: str = setting("autocast precision of the forward pass and the loss (fsdp: its mixed-precision policy)",
@@ -263,6 +267,8 @@ class EvaluationSettings(Section):
     eval_every: int = setting("evaluate every N epochs (and at the end) when the task has an "
                               "evaluation set; 0: only at the end", default=1, role=operation())
     eval_every_steps: int = setting("also evaluate every N optimizer steps (0: off)", default=0, role=operation())
+    eval_at_start: bool = setting("also evaluate the initial weights before step 1 of a fresh run (nanoGPT's step-0 "
+                                  "val loss; a resumed run does not again)", default=False, role=operation())
     eval_batches: int = setting("evaluate on N batches of --batch-size, the same samples at every evaluation (a "
                                 "subset drawn once from --seed, so figures compare across the run and across world "
                                 "sizes; nanoGPT's eval_iters); 0: the whole evaluation set", default=0,
@@ -288,6 +294,9 @@ class EvaluationSettings(Section):
                              role=identity())
     init_from_partial: bool = setting("--init-from loads the tensors that match this model and names the rest "
                                       "(default: any difference is an error)", default=False, role=identity())
+    init_optimizer: bool = setting("--init-from a snapshot (or a run dir: its newest) loads its optimizer's state "
+                                   "too (AdamW's moments and step counts), under this run's rates and schedule: a "
+                                   "finished run trained on under a new schedule", default=False, role=identity())
 
 
 @dataclass(frozen=True)

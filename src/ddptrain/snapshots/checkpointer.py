@@ -85,7 +85,8 @@ class Checkpointer:
                  strategy: Any, marks: CollectiveMarks, weights: Weights, states: Mapping[str, Stateful],
                  per_rank: Mapping[str, PerRank] | None = None,
                  start: Snapshot | None = None, group: Any = None, uploads: Any = None,
-                 on_committed: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+                 on_committed: Callable[[str, dict[str, Any]], None] | None = None,
+                 spare_step: int | None = None) -> None:
         """``recorded``: what every snapshot holds of the run's settings, for the run that resumes it to
         compare (``batch_size``, ``global_batch``, ``fingerprint``: RunConfig.math_fingerprint);
         ``per_rank``: states every rank has its own of (a stream's reading position), saved with
@@ -94,7 +95,8 @@ class Checkpointer:
         for the snapshot's collectives (None: the default group); ``uploads``: this rank's
         uploads.Uploader to the run dir's store, if it has one (snapshots go up behind the training,
         committed there by their manifests); ``on_committed(location, progress)``:
-        called on every rank once every rank knows a snapshot is committed (Ray Train's reports)."""
+        called on every rank once every rank knows a snapshot is committed (Ray Train's reports);
+        ``spare_step``: the step whose snapshot --keep never removes (parts.stable_end)."""
         self.snapshots, self.recorded = snapshots, dict(recorded)
         self.ctx, self.group, self.marks = ctx, group, marks
         self.weights, self.states, self.start = weights, dict(states), start
@@ -107,6 +109,7 @@ class Checkpointer:
                                                           on_main_machine=ctx.rank < ctx.local_world_size)
         else:
             self.writer = files.SnapshotWriter(uploads) if ctx.is_main else None
+        self.spare(spare_step)
         # A file snapshot's parts on another machine than rank 0's go up from there (a DCP folder's
         # go with the rank's shards: dcp.DCPWriter)
         self.part_uploads = uploads if not (self.sharded or ctx.rank < ctx.local_world_size) else None
@@ -160,10 +163,17 @@ class Checkpointer:
         return True
 
     # --- policy ----------------------------------------------------------------------------
-    def retarget(self, recorded: Mapping[str, Any], scheduler: Stateful) -> None:
+    def retarget(self, recorded: Mapping[str, Any], scheduler: Stateful, spare_step: int | None) -> None:
         """Trainer.train(max_epochs=...): a longer or shorter run (its settings as recorded), and the
         schedule made for it."""
         self.recorded, self.states["scheduler"] = dict(recorded), scheduler
+        self.spare(spare_step)
+
+    def spare(self, step: int | None) -> None:
+        """The snapshot after ``step`` stays whatever --keep says (None: none does)."""
+        if self.writer is not None:
+            names = {files.snapshot_name(step, folder=self.sharded)} if step is not None else set()
+            self.writer.spare = frozenset(names)
 
     def due_by_time(self) -> bool:
         """Rank 0's clock (agreed by every rank through resilience/stop_signals.StopSignal)."""

@@ -40,7 +40,7 @@ def remove_partials(directory: Path) -> None:
 
 
 def commit(future: Future[Any], meta: dict[str, Any], partial: Path, final: Path, keep: int,
-           uploads: Any = None) -> Path:
+           uploads: Any = None, spare: frozenset[str] = frozenset()) -> Path:
     """Rank 0: once every rank's shard is written, add the metadata and make it a snapshot
     (``uploads``: a run dir on a store, whose uploader takes it from here)."""
     future.result()  # DCP's own metadata is written after every rank's shard
@@ -49,7 +49,7 @@ def commit(future: Future[Any], meta: dict[str, Any], partial: Path, final: Path
         shutil.rmtree(final)
     partial.rename(final)  # atomic: the folder appears complete, or not at all
     files.fsync_dir(final.parent)
-    files.rotate(final.parent, keep, spare=uploads.pending_snapshots() if uploads is not None else ())
+    files.rotate(final.parent, keep, spare=spare | set(uploads.pending_snapshots() if uploads is not None else ()))
     if uploads is not None:
         uploads.add_snapshot(final.name)
     return final
@@ -74,7 +74,8 @@ class DCPWriter(files.BackgroundWrite):
         saved = self._save(shards, last, checkpoint_id=partial, process_group=self.group)
         if self.committer is not None:
             final = directory / files.snapshot_name(step, folder=True)
-            self.pending = self.committer.submit(commit, saved, meta or {}, partial, final, keep, self.uploads)
+            self.pending = self.committer.submit(commit, saved, meta or {}, partial, final, keep, self.uploads,
+                                                 self.spare)
             return
         if self.uploads_part:
             saved.add_done_callback(lambda done: self._upload_part(done, partial))

@@ -257,6 +257,7 @@ class BackgroundWrite:
     """The one write in flight (a future); its error surfaces on ``wait``."""
 
     pending: Future[Any] | None = None
+    spare: frozenset[str] = frozenset()  # snapshots --keep never removes (a warmup-stable-decay's before its decay)
 
     def wait(self) -> None:
         if self.pending is not None:
@@ -279,8 +280,8 @@ class SnapshotWriter(BackgroundWrite):
 
     def _write(self, state: dict[str, Any], directory: Path, keep: int) -> Path:
         if self.uploads is None:
-            return write_snapshot(state, directory, keep)
-        path = write_snapshot(state, directory, keep, spare=self.uploads.pending_snapshots())
+            return write_snapshot(state, directory, keep, spare=self.spare)
+        path = write_snapshot(state, directory, keep, spare=self.spare | set(self.uploads.pending_snapshots()))
         self.uploads.add_snapshot(path.name)
         return path
 
@@ -358,6 +359,11 @@ def check_model_matches(current: dict[str, tuple[int, ...]], saved: dict[str, tu
         if tuple(saved[key]) != tuple(shape):
             raise SnapshotError(f"snapshot {path} holds another model: {key} has shape "
                                 f"{tuple(saved[key])}, the model {tuple(shape)}")
+
+
+def changed_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The fingerprint's keys a resume would change (``check_fingerprint`` refuses it for them)."""
+    return [change.split(":", 1)[0] for change in fingerprint_changes(saved, current)]
 
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:

@@ -1,5 +1,6 @@
 """``--init-from PATH``: a fresh run's first weights from elsewhere (weights only: the optimizer,
-the schedule and the data start afresh; a resumed run takes its snapshot's weights instead).
+the schedule and the data start afresh; a resumed run takes its snapshot's weights instead);
+with ``--init-optimizer``, a snapshot's optimizer state too (``load_training_state``).
 
 PATH is a state_dict file (``model.pt``, ``.pt``/``.pth``/``.bin``, ``.safetensors``), a
 ddptrain snapshot (``step-N.pt``, or a DCP folder ``step-N/``), another run dir (its model.pt),
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from ..errors import ConfigError
 from . import dcp as snapshot_dcp
+from . import files
 
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 
@@ -122,3 +124,42 @@ def _tied_names(module: torch.nn.Module) -> dict[str, set[str]]:
     for name, parameter in module.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(id(parameter), set()).add(name)
     return {name: names - {name} for names in by_tensor.values() for name in names}
+
+
+def snapshot_at(path: str) -> Path:
+    """--init-optimizer's snapshot: ``path`` itself (``step-N.pt`` or a DCP folder), or a run dir's newest."""
+    where = Path(path)
+    if files.SNAPSHOT_NAME.match(where.name) and where.exists():
+        return where
+    found = files.list_snapshots(files.snapshot_dir(where)) if files.snapshot_dir(where).is_dir() else []
+    if not found:
+        raise ConfigError(f"--init-optimizer: --init-from {path} holds no snapshot, so no optimizer state (a model.pt, "
+                          "a .safetensors file or a Hugging Face folder is weights only); give a snapshot "
+                          "(RUN_DIR/snapshots/step-N.pt or a DCP folder) or a run dir that has some, or drop "
+                          "--init-optimizer")
+    return found[-1]
+
+
+def load_training_state(weights: Any, path: str) -> str:
+    """Every rank: a snapshot's weights and optimizer state into this run's (``weights``: its
+    parallel.base.ModelAndOptimizer), resharded where the layout differs; the optimizer's
+    hyper-parameters (rates, weight decay, betas) stay this run's, so its own schedule sets the
+    rates from its step 0. The line to print."""
+    snapshot = snapshot_at(path)
+    saved = files.load_snapshot(snapshot)
+    optimizer = weights.optimizer
+    own = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    if snapshot.is_dir():
+        templates = {part: state for part, state in weights.state_dict().items() if part != "ema"}
+        state, whole = snapshot_dcp.load_shards(snapshot, templates), False
+    else:
+        state, whole = {"model": saved["model"], "optimizer": saved["optimizer"]}, True
+    if len(state["optimizer"].get("param_groups", own)) != len(own):
+        raise ConfigError(f"--init-optimizer: {snapshot}'s optimizer has {len(state['optimizer']['param_groups'])} "
+                          f"parameter group(s), this run's {len(own)}; give a snapshot of this task's optimizer")
+    weights.strategy.load_state(weights.module, optimizer, state, whole)
+    for group, hyper in zip(optimizer.param_groups, own):
+        group.update(hyper)
+    step = saved["progress"]["global_step"]
+    return (f"initialised from {snapshot} (step {step}): its weights and its optimizer's state "
+            f"({type(optimizer).__name__}'s), under this run's rates and schedule from step 0")

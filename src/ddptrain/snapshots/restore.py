@@ -15,6 +15,7 @@ Loading the snapshot into the run's components is the checkpointer's (``Checkpoi
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from .. import schedules
 from ..comm import CollectiveMarks, DistContext, broadcast_object
 from ..console import say
 from ..errors import ConfigError
@@ -165,8 +167,45 @@ def resumed_config(start: Snapshot | None, cfg: RunConfig, world_size: int,
         info(f"world size {start.state['world_size']} → {world_size} at step {start.global_step}: batch size "
              f"per rank {batch} keeps the global batch {start.state['global_batch']}")
         cfg = cfg.replace(batch_size=batch)
-    files.check_fingerprint(start.state["fingerprint"], cfg.math_fingerprint(world_size), start.path)
+    saved, current = start.state["fingerprint"], cfg.math_fingerprint(world_size)
+    if _longer_run_goes_on_exactly(saved, current, cfg, start, info):
+        saved = {**saved, "max_steps": current["max_steps"]}
+    files.check_fingerprint(saved, current, start.path)
     return cfg
+
+
+def _longer_run_goes_on_exactly(saved: dict[str, Any], current: dict[str, Any], cfg: RunConfig, start: Snapshot,
+                                info: Callable[[str], None]) -> bool:
+    """Whether a resume that changes only --max-steps is the run that length would have been from
+    the start: every step so far had the rate the new length gives it (schedule_agrees; a
+    warmup-stable-decay before its decay). Said in one line when it is; refused in one line naming
+    what can go on when the schedule already differs."""
+    if set(files.changed_keys(saved, current)) != {"max_steps"} or saved.get("max_epochs") != math.inf:
+        return False
+    before, after, step = saved["max_steps"], current["max_steps"], start.global_step
+    if after is None or before is None or step > after:
+        return False
+    if schedules.schedule_agrees(cfg.optim, before, after, step):
+        decay = schedules.decay_start(cfg.warmup_steps, after, cfg.decay_fraction)
+        info(f"--max-steps {before} → {after} at step {step}: every step so far had the rate a run of {after} "
+             f"steps gives it, so the run goes on as one started with {after}"
+             + (f" (its decay begins at step {decay})" if cfg.lr_schedule != "constant" else ""))
+        return True
+    raise ConfigError(_cannot_extend(cfg, before, after, start))
+
+
+def _cannot_extend(cfg: RunConfig, before: int, after: int, start: Snapshot) -> str:
+    """The refusal of a longer (or shorter) run whose schedule has already differed, with what can go on."""
+    decay = schedules.decay_start(cfg.warmup_steps, before, cfg.decay_fraction)
+    earlier = [path for path in files.list_snapshots(start.path.parent) if files.snapshot_step(path) <= decay]
+    how = (f"resume its snapshot from before the decay with --resume {earlier[-1]}" if earlier and
+           cfg.decay_fraction is not None else
+           "a run with --decay-fraction F (warmup-stable-decay) goes on from any snapshot before its decay; "
+           f"from this one, start a new run from its weights and optimizer state with --init-from {start.path} "
+           "--init-optimizer")
+    return (f"--max-steps {before} → {after}: snapshot {start.path} (step {start.global_step}) was taken under a "
+            f"{cfg.lr_schedule} decay from step {decay} of {before}, whose rates a run of {after} steps does not "
+            f"share, so it cannot go on exactly; {how}, or keep --max-steps {before}")
 
 
 def adapt_batch(global_batch: int, world_size: int, grad_accum: int) -> int:
