@@ -31,7 +31,7 @@ from ddptrain.cli import build_parser
 from helpers.commands import BIN, REPO, TESTS, ForkedCommand, clean_env, descendants, run
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```(\S+)(?: ([\w ./=-]+))?\n(.*?)^```\n", re.S | re.M)
+FENCE = re.compile(r"^```(\S+)(?: ([\w ./=\"-]+))?\n(.*?)^```\n", re.S | re.M)
 
 
 def blocks(kind: str) -> list[tuple[str, str, str | None]]:
@@ -58,9 +58,9 @@ def commands(kind: str) -> list[tuple[str, str]]:
 
 
 def test_a_file_a_page_shows_is_that_file_as_it_is():
-    """A ``python file=PATH`` block shows PATH of the repository whole (the run blocks use the file)."""
-    shown = [(doc.name, marks.split("=", 1)[1], body) for doc in DOCS for lang, marks, body in
-             (fence.groups() for fence in FENCE.finditer(doc.read_text())) if (marks or "").startswith("file=")]
+    """A ``python title="PATH"`` block shows PATH of the repository whole (the run blocks use the file)."""
+    shown = [(doc.name, marks.split("=", 1)[1].strip('"'), body) for doc in DOCS for lang, marks, body in
+             (fence.groups() for fence in FENCE.finditer(doc.read_text())) if (marks or "").startswith("title=")]
     assert {path for _, path, _ in shown} >= {"examples/nanogpt/nanogpt_task.py", "examples/nanogpt/sample.py"}
     for doc, path, body in shown:
         assert body == (REPO / path).read_text(), f"{doc} shows {path} other than it is"
