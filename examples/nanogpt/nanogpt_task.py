@@ -5,12 +5,14 @@ from ddptrain.data import TokenFile
 
 from model import GPT, GPTConfig
 
-BLOCK = 64  # nanoGPT's block_size
-
 
 def task(cfg):
+    """The model's own settings are task options: --task-opt n_layer=4 (config.json records them)."""
+    block = cfg.task_option("block_size", 64)
     vocab = 1 + max(int(np.fromfile(name, dtype=np.uint16).max()) for name in ("train.bin", "val.bin"))
-    model = GPT(GPTConfig(block_size=BLOCK, vocab_size=vocab, n_layer=2, n_head=2, n_embd=64))
+    model = GPT(GPTConfig(block_size=block, vocab_size=vocab, n_layer=cfg.task_option("n_layer", 2),
+                          n_head=cfg.task_option("n_head", 2), n_embd=cfg.task_option("n_embd", 64),
+                          dropout=cfg.task_option("dropout", 0.0)))
 
     def step_fn(model, batch):  # a micro-batch's mean loss
         inputs, targets = batch
@@ -25,5 +27,5 @@ def task(cfg):
         device_type = next(model.parameters()).device.type  # "cuda" on GPUs: nanoGPT's fused AdamW there
         return model.configure_optimizers(decay, cfg.hparam("lr"), cfg.adam_betas, device_type)
 
-    return ddptrain.Task(model=model, train_set=TokenFile("train.bin", BLOCK), eval_set=TokenFile("val.bin", BLOCK),
-                         step_fn=step_fn, eval_fn=eval_fn, make_optimizer=make_optimizer, tokens_per_sample=BLOCK)
+    return ddptrain.Task(model=model, train_set=TokenFile("train.bin", block), eval_set=TokenFile("val.bin", block),
+                         step_fn=step_fn, eval_fn=eval_fn, make_optimizer=make_optimizer, tokens_per_sample=block)

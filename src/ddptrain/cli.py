@@ -45,6 +45,19 @@ def _typed(field: str, flag_name: str) -> Any:
     return convert
 
 
+class _AddPairs(argparse.Action):
+    """A flag of NAME=VALUE pairs given again adds its pairs to the earlier ones' (a name twice: one line)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        earlier = getattr(namespace, self.dest, "")
+        try:
+            setattr(namespace, self.dest, coerce(self.dest, f"{earlier},{values}" if earlier else values,
+                                                 option_string or self.dest))
+        except ConfigError as error:
+            parser.error(str(error))
+
+
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per setting, with its help text and default from its section's dataclass,
     grouped in ``--help`` by section (settings/sections.py), each with its line of purpose.
@@ -64,6 +77,9 @@ def _add_flag(group: argparse._ArgumentGroup, field: dataclasses.Field[Any]) -> 
     if kind is bool:
         group.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction,
                            default=argparse.SUPPRESS, help=meta["help"])
+    elif meta["pairs"]:  # --task-opt a=1 --task-opt b=2: each adds its pairs
+        group.add_argument(*names, dest=field.name, action=_AddPairs, type=_typed(field.name, names[0]),
+                           default=argparse.SUPPRESS, help=meta["help"], metavar="NAME=VALUE")
     else:
         help_text = meta["help"] + ("" if default is None else f" (default: {default})")
         group.add_argument(*names, dest=field.name, type=_typed(field.name, names[0]), default=argparse.SUPPRESS,

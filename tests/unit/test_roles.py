@@ -27,7 +27,7 @@ from ddptrain.snapshots import files
 # fails test_every_setting_has_another_value, which names it).
 TEXT_VALUES = {"task": "digits", "run_dir": "runs/elsewhere", "betas": "0.9,0.95", "nproc": "2",
                "lighthouse": "http://127.0.0.1:29510", "resume": "never", "keep_best": "eval_accuracy",
-               "init_from": "runs/pretrained", "tracker": "csv"}
+               "init_from": "runs/pretrained", "tracker": "csv", "task_opt": "n_layer=4"}
 
 
 def other_value(name: str):

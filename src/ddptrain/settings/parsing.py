@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -17,6 +18,8 @@ from typing import Any
 import tomllib
 
 from ..errors import ConfigError
+from . import nanogpt_config, task_options
+from .nanogpt_config import MODEL_KEYS
 from .run_config import BUILT, RunConfig
 from .sections import FIELDS, SECTION_OF, SECTIONS, flag
 
@@ -38,6 +41,8 @@ def coerce(name: str, value: Any, where: str) -> Any:
     """``value`` as field ``name``'s type; ConfigError naming ``where`` (a flag, a key) if it is not one."""
     kind = field_type(name)
     optional = FIELDS[name].default is None
+    if FIELDS[name].metadata["pairs"]:
+        return task_options.canonical(value, where)
     if value is None and optional:
         return None
     try:
@@ -88,10 +93,23 @@ def from_options(options: Mapping[str, Any], where: str = "option") -> RunConfig
     return RunConfig(**values)
 
 
+def read_run_config(run_dir: str | os.PathLike[str]) -> RunConfig:
+    """The settings a run was made with, from its config.json (the task's options with them: a
+    sampling script rebuilds the run's model from them)."""
+    path = Path(run_dir) / "config.json"
+    return from_options(read_settings_file(path), f"{path}:")
+
+
 def read_settings_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Settings from a TOML file (keys are flag names, at the top or in their section's table:
-    ``[snapshots]`` then ``save-every = 100``) or a run's own config.json."""
+    ``[snapshots]`` then ``save-every = 100``), a run's own config.json, or a nanoGPT config file
+    (``config/*.py``: nanogpt_config.py says how; what it leaves out is said on stderr)."""
     path = Path(path)
+    if path.suffix == ".py":  # a nanoGPT config file: read as data, never run
+        settings, notes = nanogpt_config.read(path)
+        for note in notes:
+            print(f"ddptrain: --config {path}: {note}", file=sys.stderr)
+        return settings
     try:
         text = path.read_text()
     except OSError as error:
@@ -106,6 +124,10 @@ def read_settings_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: expected a table of settings")
     if path.suffix == ".json":  # a run's config.json: what it built is a record, not a setting
         settings.pop(BUILT, None)
+        # null: a setting the run did not use (the optimizer's, where its task built its own), so
+        # no value of it to give back (its default stands)
+        settings = {key: value for key, value in settings.items()
+                    if not (value is None and key in FIELDS and FIELDS[key].default is not None)}
     return _flattened(settings, f"--config {path}")
 
 
@@ -113,8 +135,8 @@ def _flattened(settings: dict[str, Any], where: str) -> dict[str, Any]:
     """A settings file's keys at the top, its sections' tables opened: each key once, in its own section."""
     flat: dict[str, Any] = {}
     for key, value in settings.items():
-        if not isinstance(value, dict):
-            flat[key] = value
+        if not isinstance(value, dict) or FIELDS.get(setting_name(key), None) is FIELDS["task_opt"]:
+            flat[key] = value  # (a [task-opt] table is the task's options, not a section)
             continue
         if key not in _SECTION_CLASSES:
             raise ConfigError(f"{where}: [{key}] is not a section of ddptrain's settings; the sections are "
@@ -155,7 +177,6 @@ ANSWERS_ELSEWHERE = {
     "resume_from_checkpoint": "run the same command again: it resumes from its run dir's newest snapshot "
                               "(--run-dir)",
     "eval_only": "--max-epochs 0 evaluates the model and ends",
-    "block_size": "a sequence's length is your task's: TokenFile(path, block_size) in its factory",
     "bf16": "--precision bf16", "fp16": "--precision fp16",
     "devices": "--nproc N ranks on this machine (or torchrun --nproc-per-node N)",
     "num_nodes": "start the ranks of several machines with torchrun --nnodes N or srun (docs/multinode.md)",
@@ -168,6 +189,9 @@ def hint_for(name: str) -> str | None:
     key = name.strip().lstrip("-").replace("-", "_")
     if key in ANSWERS_ELSEWHERE:
         return ANSWERS_ELSEWHERE[key]
+    if key in MODEL_KEYS:
+        return (f"{key} is your model's or data's own: --task-opt {key}=VALUE, read by your task's factory as "
+                f"cfg.task_option({key!r}, DEFAULT)")
     close = nearest_flag(name)
     return f"did you mean {close}?" if close else None
 

@@ -74,12 +74,14 @@ def operation() -> Role:
 
 
 def setting(help: str, *, role: Role, choices: tuple[str, ...] | None = None, alias: str | None = None,
-            many: bool = False, task_default: Any = NEVER, **kw: Any) -> Any:
+            many: bool = False, pairs: bool = False, task_default: Any = NEVER, **kw: Any) -> Any:
     """A setting: a dataclass field with what cli.py turns into a flag, and its ``role``.
     ``many``: a comma-separated list (a list in a settings file or a keyword argument).
+    ``pairs``: NAME=VALUE pairs, comma-separated (a flag given again adds to them; a table in a
+    settings file, a dict as a keyword argument); held as ``task_pairs.joined`` writes them.
     ``task_default``: a task may choose the default (``Task.defaults``); this is the one used when
     neither the user nor the task does."""
-    meta = {"help": help, "choices": choices, "alias": alias, "many": many, "role": role}
+    meta = {"help": help, "choices": choices, "alias": alias, "many": many or pairs, "pairs": pairs, "role": role}
     if task_default is not NEVER:
         meta["task_default"] = task_default
     return dataclasses.field(metadata=meta, **kw)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from . import fingerprint
+from . import fingerprint, task_options
 from .sections import (
     FIELDS,
     GLOBAL_DEFAULTS,
@@ -66,6 +66,29 @@ class RunConfig:
             object.__setattr__(self, kind.SECTION, dataclasses.replace(section, **changes) if changes else section)
         if given:
             raise TypeError(f"RunConfig has no settings {sorted(given)}")
+        object.__setattr__(self, "_options_read", set())  # the task options its factory read (task_option)
+
+    def task_option(self, name: str, default: Any = None) -> Any:
+        """The task's own setting ``name`` (--task-opt NAME=VALUE) as ``default``'s type, or
+        ``default`` when not given. A task factory reads its options this way: one given that no
+        factory read is refused (tasks.build), so a misspelt option never passes silently."""
+        self._options_read.add(name)
+        given = task_options.parse(self.task_opt)
+        return task_options.typed(name, given[name], default) if name in given else default
+
+    def task_options(self) -> dict[str, str]:
+        """Every task option given, as text (all count as read: the factory takes them all)."""
+        given = task_options.parse(self.task_opt)
+        self._options_read.update(given)
+        return given
+
+    def task_options_read(self) -> list[str]:
+        """The options' names the factory asked for, given or not."""
+        return sorted(self._options_read)
+
+    def task_options_unread(self) -> list[str]:
+        """The options given that the factory did not read (tasks.build refuses them)."""
+        return sorted(set(task_options.parse(self.task_opt)) - self._options_read)
 
     def __getattr__(self, name: str) -> Any:  # only for names not found on the object itself
         section = _READ_THROUGH.get(name)

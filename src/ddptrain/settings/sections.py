@@ -53,6 +53,9 @@ class TrainingSettings(Section):
 
     task: str = setting("built-in task (regression, digits) or MODULE:FUNC, a factory of your own",
                         default="regression", role=math())
+    task_opt: str = setting("a setting of the task's own, NAME=VALUE (n_layer=4; repeat the flag, or a settings "
+                            "file's [task-opt] table), read by its factory as cfg.task_option(NAME, DEFAULT); one "
+                            "it does not read is refused", default="", pairs=True, role=math(omitted_at=""))
     max_epochs: int | None = setting(f"epochs to train (default {DEFAULT_EPOCHS}; no limit with --max-steps); 0 "
                                      "evaluates the initial model and stops", default=None, alias="--max_epochs",
                                      role=math(names_run=False, value=lambda cfg, world: cfg.epochs,

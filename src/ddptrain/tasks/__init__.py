@@ -6,6 +6,7 @@ Built-ins are ``regression`` (the tutorial's job) and ``digits`` (a real data se
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import random
@@ -58,6 +59,14 @@ def build(cfg: RunConfig, factory: Callable[[RunConfig], Task] | None = None) ->
     seed_everything(cfg.seed)
     task = factory(cfg)
     check_task(task, cfg.task)
+    unread = cfg.task_options_unread()
+    if unread:
+        read = cfg.task_options_read()
+        near = difflib.get_close_matches(unread[0], read, n=1)
+        hint = f"did you mean {near[0]}? " if near else ""
+        reads = f"it reads {', '.join(read)}" if read else "it reads none (cfg.task_option(NAME, DEFAULT))"
+        raise ConfigError(f"--task-opt {unread[0]}: the task {cfg.task} does not read this option ({hint}{reads}); "
+                          "drop it or spell it as the task does")
     return task
 
 
