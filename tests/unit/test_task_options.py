@@ -5,6 +5,7 @@ refused; in the fingerprint, the run's name and config.json."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from ddptrain.observe.report import config_json
 from ddptrain.settings import RunConfig
 from ddptrain.settings.fingerprint import default_run_dir, fingerprint_changes
 from ddptrain.settings.parsing import from_options, read_run_config, read_settings_file
+from ddptrain.snapshots.restore import Snapshot, resumed_config
 from ddptrain.tasks import build
 
 CANONICAL = "dropout=0.1,n_layer=4,tied=true"
@@ -82,3 +84,21 @@ def test_the_options_are_math_they_name_the_run_and_config_json_gives_them_back(
     (tmp_path / "config.json").write_text(config_json(six.settings(), {"optimizer": {}}, unused=("betas",)))
     assert json.loads((tmp_path / "config.json").read_text())["betas"] is None
     assert read_run_config(tmp_path) == six
+
+
+def test_an_option_the_task_reads_as_resumable_may_change_on_resume_and_no_other():
+    """cfg.task_option(NAME, DEFAULT, resumable=True): the task's word that it changes no weight
+    (a data folder that moved); a resume compares the rest of the options, as before. What the
+    factory read carries through the config's later changes (the task's defaults filled in)."""
+    def snapshot(options: str) -> Snapshot:
+        fingerprint = RunConfig(task_opt=options, lr=0.1).math_fingerprint(2)
+        return Snapshot(Path("step-000000004.pt"), {"world_size": 2, "progress": {"global_step": 4},
+                                                     "fingerprint": fingerprint})
+    cfg = RunConfig(task_opt="data_dir=/mnt/new,n_layer=4")
+    assert (cfg.task_option("data_dir", "", resumable=True), cfg.task_option("n_layer", 2)) == ("/mnt/new", 4)
+    cfg = cfg.replace(lr=0.1)
+    assert cfg.task_options_resumable() == ["data_dir"] and cfg.task_options_unread() == []
+    assert resumed_config(snapshot("data_dir=/mnt/old,n_layer=4"), cfg, 2, print) == cfg
+    assert resumed_config(snapshot("n_layer=4"), cfg, 2, print) == cfg  # (given now, not then)
+    with pytest.raises(ConfigError, match=r"\(task_opt: 'n_layer=6' -> 'n_layer=4'\)"):
+        resumed_config(snapshot("data_dir=/mnt/old,n_layer=6"), cfg, 2, print)

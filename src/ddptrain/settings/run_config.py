@@ -67,12 +67,17 @@ class RunConfig:
         if given:
             raise TypeError(f"RunConfig has no settings {sorted(given)}")
         object.__setattr__(self, "_options_read", set())  # the task options its factory read (task_option)
+        object.__setattr__(self, "_options_resumable", set())  # those a resume may change
 
-    def task_option(self, name: str, default: Any = None) -> Any:
+    def task_option(self, name: str, default: Any = None, *, resumable: bool = False) -> Any:
         """The task's own setting ``name`` (--task-opt NAME=VALUE) as ``default``'s type, or
         ``default`` when not given. A task factory reads its options this way: one given that no
-        factory read is refused (tasks.build), so a misspelt option never passes silently."""
+        factory read is refused (tasks.build), so a misspelt option never passes silently. Each
+        is part of the math a resume must keep, unless ``resumable`` (a data folder that moved,
+        a figure only evaluations read): the task's word that changing it changes no weight."""
         self._options_read.add(name)
+        if resumable:
+            self._options_resumable.add(name)
         given = task_options.parse(self.task_opt)
         return task_options.typed(name, given[name], default) if name in given else default
 
@@ -85,6 +90,10 @@ class RunConfig:
     def task_options_read(self) -> list[str]:
         """The options' names the factory asked for, given or not."""
         return sorted(self._options_read)
+
+    def task_options_resumable(self) -> list[str]:
+        """The options the factory read as ``resumable``: a resume may change them."""
+        return sorted(self._options_resumable)
 
     def task_options_unread(self) -> list[str]:
         """The options given that the factory did not read (tasks.build refuses them)."""
@@ -102,7 +111,10 @@ class RunConfig:
 
     def replace(self, **settings: Any) -> RunConfig:
         """This config with ``settings`` (flat names) changed: ``dataclasses.replace`` by setting."""
-        return RunConfig(**{kind.SECTION: getattr(self, kind.SECTION) for kind in SECTIONS}, **settings)
+        changed = RunConfig(**{kind.SECTION: getattr(self, kind.SECTION) for kind in SECTIONS}, **settings)
+        changed._options_read.update(self._options_read)  # what the factory read, and how, carried along
+        changed._options_resumable.update(self._options_resumable)
+        return changed
 
     def with_task_defaults(self, defaults: Mapping[str, Any]) -> RunConfig:
         """Fill settings the user left unset with the task's choices, then the global ones."""

@@ -68,3 +68,13 @@ def typed(name: str, text: str, default: Any) -> Any:
         raise ConfigError(f"--task-opt {name}={text}: the task reads {name} as {kind} (its default is "
                           f"{default!r})") from None
     return text
+
+
+def without_resumable(fingerprint: dict[str, Any], resumable: list[str]) -> dict[str, Any]:
+    """A math fingerprint without the task options its factory read as resumable (a resume compares
+    the rest): the key left out where none remains, as a fingerprint with no options has it."""
+    if not resumable or "task_opt" not in fingerprint:
+        return fingerprint
+    kept = joined({name: value for name, value in parse(fingerprint["task_opt"]).items() if name not in resumable})
+    rest = {key: value for key, value in fingerprint.items() if key != "task_opt"}
+    return {**rest, "task_opt": kept} if kept else rest

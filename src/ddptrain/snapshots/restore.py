@@ -33,6 +33,7 @@ from ..console import say
 from ..errors import ConfigError
 from ..run_dir import TIMELINE, RunDir, StoreRunDir
 from ..settings import RunConfig, SnapshotSettings
+from ..settings.task_options import without_resumable
 from . import dcp as snapshot_dcp
 from . import files
 from .uploads import mirror_is_ahead, sync_up
@@ -167,7 +168,9 @@ def resumed_config(start: Snapshot | None, cfg: RunConfig, world_size: int,
         info(f"world size {start.state['world_size']} → {world_size} at step {start.global_step}: batch size "
              f"per rank {batch} keeps the global batch {start.state['global_batch']}")
         cfg = cfg.replace(batch_size=batch)
-    saved, current = start.state["fingerprint"], cfg.math_fingerprint(world_size)
+    resumable = cfg.task_options_resumable()  # (the task's word: changing them changes no weight)
+    saved = without_resumable(start.state["fingerprint"], resumable)
+    current = without_resumable(cfg.math_fingerprint(world_size), resumable)
     if _longer_run_goes_on_exactly(saved, current, cfg, start, info):
         saved = {**saved, "max_steps": current["max_steps"]}
     files.check_fingerprint(saved, current, start.path)
