@@ -62,7 +62,8 @@ def task(cfg):
 
     block = {MODEL[block_size]!r}
     return ddptrain.Task(
-        model=model, train_set=TokenFile("data/chars/train.bin", block), eval_set=TokenFile("data/chars/val.bin", block),
+        model=model, train_set=TokenFile("data/chars/train.bin", block),
+        eval_set=TokenFile("data/chars/val.bin", block),
         step_fn=step_fn, eval_fn=eval_fn, tokens_per_sample=block,
         make_optimizer=lambda params: model.configure_optimizers(0.1, cfg.hparam("lr"), (0.9, 0.99), "cpu"),
         make_scheduler=nanogpt_schedule({WARMUP}, {ITERS}, {MIN_LR}))
