@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -329,11 +330,14 @@ class StoreRunDir(RunDir):
         manifest = {"snapshot": name, "files": listing, "committed_at": time.time()}
         self._store.pipe_file(self._path(f"snapshots/{name}{MANIFEST}"), json.dumps(manifest).encode())
 
-    def rotate(self, keep: int) -> None:
-        """Remove all but the newest ``keep`` committed snapshots (the manifest first), and
-        uncommitted ones older than the newest committed (parts of a snapshot that was dropped)."""
+    def rotate(self, keep: int, spare: Collection[str] = ()) -> None:
+        """Remove all but the newest ``keep`` committed snapshots (the manifest first; ``spare``:
+        names kept whatever their age), and uncommitted ones older than the newest committed
+        (parts of a snapshot that was dropped)."""
         committed = self.committed()
         for old in committed[:-keep]:
+            if old in spare:
+                continue
             self.remove(f"snapshots/{old}{MANIFEST}")
             for path in snapshot_paths(old):
                 self.remove(f"snapshots/{path}")

@@ -421,3 +421,17 @@ def test_ddp_on_two_machines_commits_each_snapshot_once_the_other_machine_s_part
         manifest = json.loads(fs.cat_file(f"two-machines-ddp/run/snapshots/{name}.pt.manifest"))
         assert sorted(manifest["files"]) == ["", "ranks/rank-00000-of-00002.pt", "ranks/rank-00001-of-00002.pt"]
     assert not [p for p in (tmp_path / "machine-1").rglob("*") if "snapshots" in str(p) and p.is_file()]
+
+
+def test_a_warmup_stable_decay_run_on_a_store_keeps_its_snapshot_before_the_decay(s3_server, tmp_path, monkeypatch):
+    """--decay-fraction on a store's run dir under --keep 1: the snapshot before the decay stays in
+    the store and in the mirror beside the newest, as on a local disk (tests/integration/test_go_on.py)."""
+    from ddptrain.run_dir import RunDir
+
+    for key, value in _machine(s3_server, tmp_path, "machine").items():
+        monkeypatch.setenv(key, value)
+    url = s3_server.bucket("wsd") + "/run"
+    fit("regression", url, max_steps=12, save_every=4, keep=1, lr_schedule="linear", decay_fraction=0.25)
+    home = RunDir.of(url)
+    assert home.committed() == ["step-000000009.pt", "step-000000012.pt"]
+    assert sorted(p.name for p in (home.local / "snapshots").glob("*.pt")) == home.committed()

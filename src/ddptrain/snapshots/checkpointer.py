@@ -171,9 +171,11 @@ class Checkpointer:
 
     def spare(self, step: int | None) -> None:
         """The snapshot after ``step`` stays whatever --keep says (None: none does)."""
+        names = frozenset({files.snapshot_name(step, folder=self.sharded)} if step is not None else ())
         if self.writer is not None:
-            names = {files.snapshot_name(step, folder=self.sharded)} if step is not None else set()
-            self.writer.spare = frozenset(names)
+            self.writer.spare = names
+            if self.writer.uploads is not None:  # a run dir on a store: its rotations there and in the mirror
+                self.writer.uploads.target.spare = names
 
     def due_by_time(self) -> bool:
         """Rank 0's clock (agreed by every rank through resilience/stop_signals.StopSignal)."""

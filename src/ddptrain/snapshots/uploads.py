@@ -58,6 +58,7 @@ class Target:
 
     remote: StoreRunDir
     keep: int
+    spare: frozenset[str] = frozenset()  # snapshots kept whatever --keep says (Checkpointer.spare)
 
     @property
     def mirror(self) -> Path:
@@ -103,7 +104,7 @@ class SnapshotUpload(Upload):
         if missing:
             raise NotYet(f"{name}: {len(missing)} file(s) of other machines not in the store yet")
         self.up.remote.commit_snapshot(name)
-        self.up.remote.rotate(self.up.keep)
+        self.up.remote.rotate(self.up.keep, spare=self.up.spare)
         return sent + 1
 
 
@@ -250,7 +251,8 @@ class Uploader:
             if self.down_since is not None:
                 self.sent_while_down += sent
             if isinstance(upload, SnapshotUpload):
-                files.rotate(self.mirror / "snapshots", self.keep, spare=self.pending_snapshots())
+                kept = self.target.spare | set(self.pending_snapshots())
+                files.rotate(self.mirror / "snapshots", self.keep, spare=kept)
             if self.down_since is not None and not self.queue:
                 self._back()
             self.cond.notify_all()
