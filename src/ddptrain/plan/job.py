@@ -221,7 +221,7 @@ def _timed(collectives: list[dict[str, Any]], hw: Hardware) -> list[dict[str, An
 
 def _snapshot_total(target: Target, figures: list[RankFigures]) -> int:
     """A whole snapshot's bytes: rank 0's file, or every entry once and DCP's .metadata (summed
-    by the sharding rule: plan/rank._snapshot_whole); and every rank's part (its random
+    by the sharding rule: plan/snapshot_size.whole); and every rank's part (its random
     generators' states: snapshots/rank_parts.py)."""
     return max(f.snapshot_whole_bytes for f in figures) + max(f.generator_bytes for f in figures) * target.world_size
 

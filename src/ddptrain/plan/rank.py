@@ -14,18 +14,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import io
 import itertools
 import math
-import pickle
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
 
 from ..comm import DistContext
 from ..data import training_batches
@@ -44,9 +40,11 @@ from ..settings import RunConfig
 from ..snapshots.rng import capture_rng
 from ..step import OptimizerStep
 from ..tasks.protocol import Task
+from . import snapshot_size
 from .fake_group import as_rank, fake_tensors, plan_comm_hook
 from .memory import LiveTensors, available_memory
 from .progress import doing, now_planning
+from .snapshot_size import local, saved_state, serialised, tensor_bytes
 
 KINDS = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
          "c10d::_reduce_scatter_base_": "reduce_scatter", "c10d::allgather_": "all_gather",
@@ -97,12 +95,6 @@ class RankFigures:
     steps_run: int  # the last one's collectives counted
 
 
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of this rank's part of ``tensor`` (a DTensor's local shard)."""
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
-
-
 def plan_rank(cfg: RunConfig, factory: Any, target: Target, rank: int, steps: int = 2,
               fake: bool = False) -> RankFigures:
     """Rank ``rank`` of ``target`` for ``steps`` optimizer steps, through the fake process group
@@ -122,19 +114,20 @@ def measure_rank(cfg: RunConfig, factory: Any, ctx: DistContext, steps: int = 2,
     run = _Run(cfg, factory, ctx, steps, fake, device)
     doing("measuring what it holds and writes")
     module, optimizer, strategy = run.module, run.step.optimizer, run.strategy
-    generators = _serialised(capture_rng())  # (snapshots/rng.py)
-    whole, metadata = _snapshot_whole(strategy, module, optimizer)
+    generators = serialised(capture_rng())  # (snapshots/rng.py)
+    saved = saved_state(strategy, module, optimizer)
+    whole, metadata = snapshot_size.whole(saved, strategy)
     figures = RankFigures(
-        rank=ctx.rank, parameters=sum(_local(p).numel() for p in module.parameters()),
+        rank=ctx.rank, parameters=sum(local(p).numel() for p in module.parameters()),
         parameter_bytes=sum(tensor_bytes(p) for p in module.parameters()),
         gradient_bytes=sum(tensor_bytes(p.grad) for p in module.parameters() if p.grad is not None),
         optimizer_bytes=_state_bytes(optimizer),
         buffer_bytes=sum(tensor_bytes(b) for b in module.buffers()),
         activation_bytes=run.activations.bytes,
         gathered_bytes=_gathered_bytes(strategy, module, run.task, run.cfg.precision),
-        snapshot_bytes=_snapshot_bytes(strategy, module, optimizer, ctx) + generators,  # (and its own part)
+        snapshot_bytes=snapshot_size.rank_part(saved, strategy, ctx) + generators,  # (and its own part)
         generator_bytes=generators, snapshot_whole_bytes=whole, dcp_metadata_bytes=metadata,
-        dcp_plan_bytes=_dcp_plan_bytes(strategy, module, optimizer, ctx), **_step_records(run, ctx),
+        dcp_plan_bytes=snapshot_size.dcp_plan_bytes(saved, strategy, ctx), **_step_records(run, ctx),
         flops_per_step=run.step.flops.per_step or 0, collectives=run.collectives.table(),
         allocated_peak_bytes=run.peak_bytes(), steps_run=run.steps,
         **_data_shares(run.task, run.cfg, ctx, strategy, run.step.batches.steps_per_epoch))
@@ -252,10 +245,6 @@ def _epochs(batches: Any, rank: int, world_size: int) -> Iterator[list[Any]]:
                               "or a stream with more samples or shards")
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def _step(task: Task, cfg: RunConfig, ctx: DistContext, strategy: Strategy, model: torch.nn.Module,
           module: torch.nn.Module) -> OptimizerStep:
     """The Trainer's own step (step.py) over this rank's batches, with nothing beside it that
@@ -348,7 +337,7 @@ class ActivationProbe:
 
     def _end(self, *_: Any) -> None:
         if self.counting:  # (the parameters as they stand now: FSDP's first forward replaces them)
-            held = {_local(p).untyped_storage()._cdata for p in self.module.parameters()}
+            held = {local(p).untyped_storage()._cdata for p in self.module.parameters()}
             self.bytes = sum(storage.nbytes() for key, storage in self.saved.items() if key not in held)
             self.saved.clear()
             self.counting, self.done = False, True
@@ -384,148 +373,12 @@ def _gathered_numel(param: Any) -> int:
     return -(-param.shape[0] // shards) * shards * math.prod(param.shape[1:])
 
 
-def _snapshot_bytes(strategy: Strategy, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    ctx: DistContext) -> int:
-    """This rank's part of a snapshot, as serialised. A file snapshot is rank 0's alone (the whole
-    model and optimizer). A DCP folder holds each rank's entries, each saved on its own: its shards,
-    and of the entries several ranks hold (hsdp's shards, which every replica group holds; the
-    optimizer's settings and step counts, which every rank does) those DCP's dedup gives it
-    (``_dcp_share``). (Each rank also writes its part, its random generators' states: measure_rank.)"""
-    state = strategy.state(module, optimizer)
-    if strategy.snapshot_format == "file":
-        return _serialised({"model": state["model"], "optimizer": state["optimizer"]}) if ctx.is_main else 0
-    entries = [entry for part in ("model", "optimizer") for entry in _entries(state[part])]
-    return _dcp_share(entries, ctx, getattr(strategy, "group_size", ctx.world_size))
-
-
-# DCP's .metadata, measured (torch 2.13: 9 snapshots of 4 models under FSDP and HSDP on 2 and 4
-# ranks, 5.6-69.6 KB, each within 5%): a pickle of every entry (its name, once as a key and once
-# in the planner's data) and of every chunk written (a shard's offsets and sizes, and where in
-# which file its record lies). A chunk is a sharded entry's shard with rows, or a replicated tensor.
-METADATA_BYTES, METADATA_PER_ENTRY, METADATA_PER_CHUNK = 1_400, 86, 154
-
-
-def _snapshot_whole(strategy: Strategy, module: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer) -> tuple[int, int]:
-    """The whole snapshot but the ranks' own parts, from this rank's state and the sharding rule
-    (no other rank run), and DCP's .metadata among it. A file snapshot is rank 0's file, the same
-    state on every rank (sized without serialising its data). A DCP folder holds each entry once
-    (an entry several ranks hold is written by one: DCP's dedup): a sharded one as its shards with
-    rows, each a record of its own in its rank's file; and the .metadata (modelled above)."""
-    state = strategy.state(module, optimizer)
-    saved = {"model": state["model"], "optimizer": state["optimizer"]}
-    if strategy.snapshot_format == "file":
-        return _serialised(saved, data=False), 0
-    total = chunks = names = 0
-    named = _named_entries(saved)
-    for name, entry in named:
-        names += len(name)
-        if hasattr(entry, "to_local"):
-            shards, local = _written_shards(entry), _local(entry)
-            record = _serialised(local) - tensor_bytes(local)  # a shard's own: torch.save's header and pickle
-            total += entry.numel() * entry.element_size() + shards * record
-            chunks += shards
-        else:
-            total += _serialised(entry)
-            chunks += isinstance(entry, torch.Tensor)
-    metadata = METADATA_BYTES + METADATA_PER_ENTRY * len(named) + names + METADATA_PER_CHUNK * chunks
-    return total + metadata, metadata
-
-
 def _step_records(run: _Run, ctx: DistContext) -> dict[str, int]:
     """The step records' share of the agreement's collectives (observe/step_records.py): a window
     of --log-every steps, 3 numbers a step, and a task's own figures (a max's: 1 + 1 a rank)."""
     log_every = run.cfg.observe.log_interval(run_steps(run.cfg.training, run.step.batches.steps_per_epoch))
     figures = sum(f.width(ctx.world_size) for f in step_figures(run.task.step_figures))
     return {"log_every": log_every, "window_numbers": 3 * log_every + figures}
-
-
-def _dcp_plan_bytes(strategy: Strategy, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    ctx: DistContext) -> int:
-    """This rank's save plan as DCP pickles it to gather it to rank 0 (DefaultSavePlanner's local
-    plan: a write item per entry, no collective); 0 for a file snapshot."""
-    if strategy.snapshot_format == "file":
-        return 0
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    state = strategy.state(module, optimizer)
-    planner = DefaultSavePlanner()
-    planner.set_up_planner({"model": state["model"], "optimizer": state["optimizer"]}, is_coordinator=ctx.is_main)
-    return len(pickle.dumps(planner.create_local_plan()))
-
-
-def _written_shards(entry: Any) -> int:
-    """The chunks DCP writes of a DTensor: torch.chunk's cut of its sharded dimension over the N
-    ranks it is sharded across gives ceil(rows / N) rows to each in turn, and none to the last
-    ones where rows run out; their empty shards, all at the same offset, are one chunk (DCP's
-    dedup: a 1-row matrix over 4 ranks is 2 chunks)."""
-    shards = math.prod(entry.device_mesh.size(i) for i, p in enumerate(entry.placements) if p.is_shard())
-    dims = [p.dim for p in entry.placements if p.is_shard()]
-    rows = entry.shape[dims[0]] if dims else 0
-    if not dims or rows == 0:
-        return 1
-    with_rows = -(-rows // -(-rows // shards))
-    return with_rows + (with_rows < shards)
-
-
-def _dcp_share(entries: list[Any], ctx: DistContext, group_size: int) -> int:
-    """Bytes of ``entries`` (this rank's, in state-dict order) that this rank writes. DCP's
-    ``dedup_save_plans`` gives an entry several ranks hold to the one with the least planned so
-    far (by storage bytes), taking rank 0's entries first, then each next rank's new ones. Here
-    rank 0's entries are taken to be this rank's in size. A shard is held by the ranks of its
-    column (rank mod ``group_size``); anything else by every rank."""
-    world, mine = ctx.world_size, ctx.rank % group_size
-    planned = [0] * world
-
-    def place(entry: Any, holders: range) -> int:
-        chosen = min(holders, key=planned.__getitem__)
-        planned[chosen] += tensor_bytes(entry) if isinstance(entry, torch.Tensor) else 1
-        return chosen
-
-    total = 0
-    for entry in entries:  # rank 0's: its shards (column 0) and every replicated entry
-        holders = range(0, world, group_size) if hasattr(entry, "to_local") else range(world)
-        if place(entry, holders) == ctx.rank:
-            total += _serialised(_local(entry) if hasattr(entry, "to_local") else entry)
-    if mine:  # this rank's column's shards, first met in rank ``mine``'s plan
-        for entry in entries:
-            if hasattr(entry, "to_local") and place(entry, range(mine, world, group_size)) == ctx.rank:
-                total += _serialised(_local(entry))
-    return total
-
-
-def _entries(tree: Any) -> list[Any]:
-    """A state dict's entries as DCP saves them: dicts and lists holding containers or tensors
-    are opened, anything else is one entry (a list of parameter ids, a learning rate)."""
-    return [entry for _, entry in _named_entries(tree)]
-
-
-def _named_entries(tree: Any, name: str = "") -> list[tuple[str, Any]]:
-    """(_entries), each with the name DCP gives it: the keys and indices on its way, joined by dots."""
-    def under(key: Any) -> str:
-        return f"{name}.{key}" if name else str(key)
-
-    if isinstance(tree, dict):
-        return [named for key, value in tree.items() for named in _named_entries(value, under(key))]
-    if isinstance(tree, (list, tuple)) and any(isinstance(v, (dict, list, tuple, torch.Tensor)) for v in tree):
-        return [named for index, value in enumerate(tree) for named in _named_entries(value, under(index))]
-    return [(name, tree)]
-
-
-def _serialised(value: Any, data: bool = True) -> int:
-    """Bytes of ``torch.save(value)`` (a fake tensor's: its storage's bytes, which are not there;
-    without ``data``, every tensor's so: the same size, none of the copying)."""
-    absent = []
-
-    def stand_in(tensor: torch.Tensor) -> torch.Tensor:
-        if data and not is_fake(tensor):
-            return tensor
-        absent.append(tensor.untyped_storage().nbytes())
-        return torch.empty(0, dtype=tensor.dtype)
-
-    buffer = io.BytesIO()
-    torch.save(tree_map_only(torch.Tensor, stand_in, value), buffer)
-    return buffer.tell() + sum(absent)
 
 
 def _data_shares(task: Task, cfg: RunConfig, ctx: DistContext, strategy: Strategy,
