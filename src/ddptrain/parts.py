@@ -12,6 +12,7 @@ decides when a snapshot is written and how a run resumes (snapshots/checkpointer
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -284,10 +285,11 @@ def make_cadence(cfg: RunConfig, progress: Progress, evaluates: bool, best: Best
 
 
 def stable_end(cfg: RunConfig, steps_per_epoch: int | None) -> int | None:
-    """With --decay-fraction, the step at which the decay begins: its snapshot is kept whatever
-    --keep says, the one a longer run goes on from exactly (restore.py). None otherwise."""
+    """With --decay-fraction, in a run counted in steps, the step at which the decay begins: its
+    snapshot is kept whatever --keep says, the one a run with a larger --max-steps goes on from
+    exactly (restore.py). None otherwise."""
     total = run_steps(cfg.training, steps_per_epoch)
-    if cfg.decay_fraction is None or cfg.lr_schedule == "constant" or total is None:
+    if cfg.decay_fraction is None or cfg.lr_schedule == "constant" or total is None or cfg.epochs != math.inf:
         return None
     start = decay_start(cfg.warmup_steps, total, cfg.decay_fraction)
     return start if 0 < start < total else None

@@ -89,3 +89,5 @@ def test_a_new_run_takes_a_finished_run_s_optimizer_state_under_its_own_rates(tm
     with pytest.raises(ConfigError, match="holds no snapshot, so no optimizer state"):
         fit(TASKS + "optimizer_probe", tmp_path / "refused", max_steps=2, init_from=str(finished / "model.pt"),
             init_optimizer=True)
+    with pytest.raises(ConfigError, match=r"^snapshot .* holds another model: missing keys"):  # one line, not torch's
+        fit(TASKS + "mlp_regression", tmp_path / "other", max_steps=2, init_from=str(finished), init_optimizer=True)

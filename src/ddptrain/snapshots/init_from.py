@@ -19,10 +19,10 @@ from __future__ import annotations
 import json
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from ..errors import ConfigError
 from . import dcp as snapshot_dcp
@@ -149,10 +149,13 @@ def load_training_state(weights: Any, path: str) -> str:
     saved = files.load_snapshot(snapshot)
     optimizer = weights.optimizer
     own = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    current = snapshot_dcp.whole_shapes(cast(dict[str, torch.Tensor], get_model_state_dict(weights.module)))
     if snapshot.is_dir():
+        files.check_model_matches(current, snapshot_dcp.saved_shapes(snapshot), snapshot)
         templates = {part: state for part, state in weights.state_dict().items() if part != "ema"}
         state, whole = snapshot_dcp.load_shards(snapshot, templates), False
     else:
+        files.check_model_matches(current, snapshot_dcp.whole_shapes(saved["model"]), snapshot)
         state, whole = {"model": saved["model"], "optimizer": saved["optimizer"]}, True
     if len(state["optimizer"].get("param_groups", own)) != len(own):
         raise ConfigError(f"--init-optimizer: {snapshot}'s optimizer has {len(state['optimizer']['param_groups'])} "
