@@ -10,7 +10,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from ddptrain import Task
+from ddptrain import ConfigError, Task
 from ddptrain.cli import main
 from ddptrain.data import EvalBatches
 from ddptrain.observe.evaluation import evaluate
@@ -202,6 +202,8 @@ def test_eval_at_start_evaluates_the_initial_weights_once_and_changes_no_weight(
     assert_same_weights(load_model(tmp_path / "at-start"), load_model(tmp_path / "plain"), exact=True)
     fit("digits", tmp_path / "at-start", max_steps=5, eval_at_start=True, eval_every=0)
     assert [r["step"] for r in read_metrics(tmp_path / "at-start") if r["kind"] == "eval"] == [0]
+    with pytest.raises(ConfigError, match=r"^--eval-at-start: the task regression has no evaluation set"):
+        fit("regression", tmp_path / "no-eval-set", max_steps=1, eval_at_start=True)
 
 
 @pytest.mark.slow

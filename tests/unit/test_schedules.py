@@ -12,6 +12,7 @@ from ddptrain.errors import ConfigError
 from ddptrain.optim import nanogpt_schedule
 from ddptrain.schedules import decay_start, lr_factor, schedule_agrees
 from ddptrain.settings import RunConfig
+from ddptrain.settings.checks import validate
 from ddptrain.snapshots.restore import Snapshot, resumed_config
 from helpers.commands import fit
 
@@ -134,3 +135,13 @@ def test_a_resume_with_a_larger_max_steps_goes_on_before_the_decay_and_names_the
     whole = RunConfig(lr_schedule="cosine", max_steps=20)
     with pytest.raises(ConfigError, match="with --decay-fraction F .* --init-from"):
         resumed_config(_snapshot(tmp_path / "step-000000012.pt", 12, 12, whole), whole, 2, said.append)
+
+
+@pytest.mark.parametrize("settings,said", [
+    ({"lr_schedule": "cosine", "decay_fraction": 1.5}, "--decay-fraction must be in (0, 1]"),
+    ({"decay_fraction": 0.2}, "--decay-fraction belongs to a decaying --lr-schedule"),
+])
+def test_a_decay_fraction_out_of_range_or_without_a_decay_is_one_line(settings, said):
+    with pytest.raises(ConfigError) as refused:
+        validate(RunConfig(**settings))
+    assert str(refused.value).startswith(said) and "\n" not in str(refused.value)
