@@ -47,7 +47,14 @@ from .snapshots.best import BestModel, best_model
 from .snapshots.checkpointer import Checkpointer, OneTable
 from .snapshots.files import list_snapshots, snapshot_dir
 from .snapshots.init_from import load_into, load_training_state, read_weights
-from .snapshots.restore import Snapshot, restore_point, resumed_config
+from .snapshots.restore import (
+    TASK_SCHEDULE_LENGTH,
+    Snapshot,
+    TaskSchedule,
+    restore_point,
+    resumed_config,
+    task_schedule_length,
+)
 from .snapshots.uploads import Uploader, rank_uploader
 from .step import OptimizerStep, share_buffers
 from .tally import EpochTally
@@ -176,7 +183,7 @@ def build_parts(task: Task, cfg: RunConfig, ctx: DistContext) -> RunParts:
     semi_sync = None if cfg.sync == "every-step" else SemiSync(cfg.parallel, params, ctx.watchdog, mesh=mesh,
                                                                groups=replicas)
     checkpointer = Checkpointer(
-        cfg.snapshots, recorded(cfg, ctx.world_size), ctx, home, strategy, ctx.watchdog, weights=weights,
+        cfg.snapshots, recorded(cfg, ctx.world_size, task), ctx, home, strategy, ctx.watchdog, weights=weights,
         states={"scheduler": SchedulerState(schedule), "scaler": ScalerState(scaler),
                 # one table in the snapshot format: where the run is, the epoch's loss so far, skips
                 "progress": OneTable(progress, losses, grad_norms, window, guard,
@@ -258,7 +265,9 @@ def choose_start(task: Task, cfg: RunConfig, ctx: DistContext, home: RunDir, mod
     fresh = cfg.resume == "never" or not list_snapshots(snapshot_dir(home.local))  # (a store's: not pulled)
     initialised = init_from() if fresh and cfg.init_from else None
     start = restore_point(cfg.snapshots, ctx, home, module, weights.state_dict, ctx.watchdog)
-    cfg = resumed_config(start, cfg, ctx.world_size, reporter.info)
+    own_schedule = TaskSchedule(task.make_scheduler, [group["lr"] for group in weights.optimizer.param_groups]) \
+        if task.make_scheduler is not None else None
+    cfg = resumed_config(start, cfg, ctx.world_size, reporter.info, own_schedule)
     if start is None and cfg.init_from:  # weights only, before step 0
         reporter.info(initialised or init_from())
         if average is not None:
@@ -318,7 +327,10 @@ def build_evaluations(task: Task, cfg: RunConfig, ctx: DistContext, strategy: St
         best=best, run_dir=home.local, uploads=uploads, share_buffers=share_buffers)
 
 
-def recorded(cfg: RunConfig, world_size: int) -> dict[str, Any]:
-    """What every snapshot holds of the settings, for a run that resumes it to compare (restore.py)."""
-    return {"batch_size": cfg.batch_size, "global_batch": cfg.global_batch(world_size),
-            "fingerprint": cfg.math_fingerprint(world_size)}
+def recorded(cfg: RunConfig, world_size: int, task: Task) -> dict[str, Any]:
+    """What every snapshot holds of the settings, for a run that resumes it to compare (restore.py):
+    with a task's own schedule, the run's length it was given too."""
+    fingerprint = cfg.math_fingerprint(world_size)
+    if task.make_scheduler is not None:
+        fingerprint[TASK_SCHEDULE_LENGTH] = task_schedule_length(cfg)
+    return {"batch_size": cfg.batch_size, "global_batch": cfg.global_batch(world_size), "fingerprint": fingerprint}

@@ -6,7 +6,10 @@ functions of the settings; the torch schedulers that apply them are optim.py's."
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
 
 from .settings import OptimizerSettings
 
@@ -54,3 +57,20 @@ def schedule_agrees(optim: OptimizerSettings, saved_total: int, total: int, thro
         factor = lr_factor(optim.lr_schedule, optim.warmup_steps, steps, 0.0, optim.decay_fraction)
         return [factor(step) for step in range(through_step + 1)]
     return factors(saved_total) == factors(total)
+
+
+def task_schedule_agrees(make: Callable[[torch.optim.Optimizer, int], Any], group_rates: Sequence[float],
+                         saved_total: int, total: int, through_step: int) -> bool:
+    """schedule_agrees for a task's own schedule (``Task.make_scheduler``), tried as it is: on a
+    stand-in optimizer with the run's parameter groups' rates, over either length, the rate of
+    every group before every step up to ``through_step``."""
+    def rates(steps: int) -> list[list[float]]:
+        stand_in = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)], "lr": rate}
+                                    for rate in group_rates])
+        scheduler, seen = make(stand_in, steps), []
+        for _ in range(through_step + 1):
+            seen.append([group["lr"] for group in stand_in.param_groups])
+            stand_in.step()
+            scheduler.step()
+        return seen
+    return rates(saved_total) == rates(total)

@@ -122,7 +122,8 @@ class Trainer:
             parts.cadence = make_cadence(parts.cfg, parts.progress, parts.task.eval_set is not None, parts.best)
             parts.step.scheduler = build_schedule(parts.optimizer, parts.cfg.optim, parts.run_steps,
                                                   parts.task.make_scheduler)
-            parts.checkpointer.retarget(recorded(parts.cfg, parts.ctx.world_size), SchedulerState(parts.step.scheduler),
+            parts.checkpointer.retarget(recorded(parts.cfg, parts.ctx.world_size, parts.task),
+                                        SchedulerState(parts.step.scheduler),
                                         parts.cadence.save_at)
         return self.fit()
 

@@ -91,3 +91,16 @@ def test_a_new_run_takes_a_finished_run_s_optimizer_state_under_its_own_rates(tm
             init_optimizer=True)
     with pytest.raises(ConfigError, match=r"^snapshot .* holds another model: missing keys"):  # one line, not torch's
         fit(TASKS + "mlp_regression", tmp_path / "other", max_steps=2, init_from=str(finished), init_optimizer=True)
+
+
+@pytest.mark.slow
+def test_a_run_under_the_task_s_own_schedule_goes_on_longer_where_the_schedule_agrees(tmp_path, capfd):
+    """nanogpt_schedule decays to its own lr_decay_iters whatever the run's length: 6 steps, then
+    the same command with --max-steps 12, end as 12 steps in one go, bit for bit."""
+    short, longer = tmp_path / "short", tmp_path / "longer"
+    fit(TASKS + "nanogpt_scheduled", short, max_steps=6, lr=0.05)
+    fit(TASKS + "nanogpt_scheduled", short, max_steps=12, lr=0.05)
+    assert "at step 6: the task's schedule gave every step so far the rate a run of 12 steps gives it" in \
+        capfd.readouterr().out
+    fit(TASKS + "nanogpt_scheduled", longer, max_steps=12, lr=0.05)
+    assert_same_weights(load_model(short), load_model(longer), exact=True)

@@ -10,10 +10,10 @@ import torch
 
 from ddptrain.errors import ConfigError
 from ddptrain.optim import nanogpt_schedule
-from ddptrain.schedules import decay_start, lr_factor, schedule_agrees
+from ddptrain.schedules import decay_start, lr_factor, schedule_agrees, task_schedule_agrees
 from ddptrain.settings import RunConfig
 from ddptrain.settings.checks import validate
-from ddptrain.snapshots.restore import Snapshot, resumed_config
+from ddptrain.snapshots.restore import TASK_SCHEDULE_LENGTH, Snapshot, TaskSchedule, resumed_config
 from helpers.commands import fit
 
 LEARNING_RATE, WARMUP_ITERS, LR_DECAY_ITERS, MIN_LR, MAX_ITERS = 6e-4, 20, 60, 6e-5, 70
@@ -145,3 +145,38 @@ def test_a_decay_fraction_out_of_range_or_without_a_decay_is_one_line(settings, 
     with pytest.raises(ConfigError) as refused:
         validate(RunConfig(**settings))
     assert str(refused.value).startswith(said) and "\n" not in str(refused.value)
+
+
+def _over_the_run(optimizer, total_steps):
+    """A task's schedule that spans the run: a linear decay over ``total_steps``."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / total_steps)
+
+
+def test_a_task_s_own_schedule_is_tried_over_both_lengths():
+    """nanoGPT's decays to its own lr_decay_iters whatever the run's length: every step agrees; one
+    spanning the run agrees at step 0 only."""
+    nanogpt = nanogpt_schedule(WARMUP_ITERS, LR_DECAY_ITERS, MIN_LR)
+    assert task_schedule_agrees(nanogpt, [LEARNING_RATE, LEARNING_RATE], 71, 200, 70)
+    assert task_schedule_agrees(_over_the_run, [0.1], 12, 20, 0)
+    assert not task_schedule_agrees(_over_the_run, [0.1], 12, 20, 1)
+
+
+def test_a_resume_under_another_length_of_a_task_s_schedule_is_checked_not_waved_through(tmp_path):
+    """The length a task's schedule was given is in its snapshots (it is out of the settings'
+    fingerprint under a constant --lr-schedule): another --max-steps is accepted where the schedule
+    agrees, refused in one line where it does not; a snapshot from before this held none."""
+    cfg = RunConfig(max_steps=20)
+    def snapshot(length):
+        fingerprint = {**RunConfig(max_steps=12).math_fingerprint(2),
+                       **({TASK_SCHEDULE_LENGTH: length} if length else {})}
+        return Snapshot(tmp_path / "step-000000006.pt", {"world_size": 2, "progress": {"global_step": 6},
+                                                        "fingerprint": fingerprint})
+    said: list[str] = []
+    nanogpt = TaskSchedule(nanogpt_schedule(4, 10, 1e-3), [0.05])
+    assert resumed_config(snapshot([12, math.inf]), cfg, 2, said.append, nanogpt) == cfg
+    assert said == ["--max-steps 12 → 20 at step 6: the task's schedule gave every step so far the rate a run of 20 "
+                    "steps gives it, so the run goes on as one started with 20"]
+    with pytest.raises(ConfigError, match=r"whose task builds its own schedule .* so it cannot go on exactly; keep "
+                                          r"--max-steps 12, or start a new run .* --init-optimizer$"):
+        resumed_config(snapshot([12, math.inf]), cfg, 2, said.append, TaskSchedule(_over_the_run, [0.05]))
+    assert resumed_config(snapshot(None), cfg, 2, said.append, TaskSchedule(_over_the_run, [0.05])) == cfg

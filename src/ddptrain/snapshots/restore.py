@@ -156,8 +156,26 @@ def _choose(resume: str, home: RunDir) -> Snapshot | dict[str, str] | None:
     return Snapshot(*found)
 
 
+# A task's own schedule (Task.make_scheduler) is given the run's length, which the settings' roles
+# leave out of the fingerprint under a constant --lr-schedule: snapshots of such runs hold it here.
+TASK_SCHEDULE_LENGTH = "task_schedule_length"
+
+
+@dataclass
+class TaskSchedule:
+    """A task's own schedule as a resume checks it: its factory and the run's groups' base rates."""
+
+    make: Callable[[torch.optim.Optimizer, int], Any]
+    group_rates: list[float]
+
+
+def task_schedule_length(cfg: RunConfig) -> list[Any]:
+    """The run's length as a task's schedule is given it: [--max-steps, the epochs]."""
+    return [cfg.max_steps, cfg.epochs]
+
+
 def resumed_config(start: Snapshot | None, cfg: RunConfig, world_size: int,
-                   info: Callable[[str], None]) -> RunConfig:
+                   info: Callable[[str], None], task_schedule: TaskSchedule | None = None) -> RunConfig:
     """The config a run continues ``start`` with: on another world size, the per-rank batch that
     keeps the snapshot's global batch (and so the sample order); then the math settings checked."""
     if start is None:
@@ -171,10 +189,37 @@ def resumed_config(start: Snapshot | None, cfg: RunConfig, world_size: int,
     resumable = cfg.task_options_resumable()  # (the task's word: changing them changes no weight)
     saved = without_resumable(start.state["fingerprint"], resumable)
     current = without_resumable(cfg.math_fingerprint(world_size), resumable)
+    if task_schedule is not None and TASK_SCHEDULE_LENGTH in saved:  # (older snapshots do not hold it)
+        current[TASK_SCHEDULE_LENGTH] = task_schedule_length(cfg)
+        if _task_schedule_goes_on(saved, current, task_schedule, start, info):
+            saved = {**saved, TASK_SCHEDULE_LENGTH: current[TASK_SCHEDULE_LENGTH]}
     if _longer_run_goes_on_exactly(saved, current, cfg, start, info):
         saved = {**saved, "max_steps": current["max_steps"]}
     files.check_fingerprint(saved, current, start.path)
     return cfg
+
+
+def _task_schedule_goes_on(saved: dict[str, Any], current: dict[str, Any], schedule: TaskSchedule, start: Snapshot,
+                           info: Callable[[str], None]) -> bool:
+    """A resume under another length of a run whose task builds its schedule: accepted when the
+    schedule gives every step so far the rate it had (nanogpt_schedule decays to its own
+    lr_decay_iters, whatever the run's length), refused in one line when not, or when the run is
+    counted in epochs (its length in steps is not known before its data)."""
+    if set(files.changed_keys(saved, current)) != {TASK_SCHEDULE_LENGTH}:
+        return False
+    (before, epochs_before), (after, epochs_after), step = saved[TASK_SCHEDULE_LENGTH], current[TASK_SCHEDULE_LENGTH], \
+        start.global_step
+    by_steps = epochs_before == epochs_after == math.inf and before is not None and after is not None
+    if by_steps and step <= after and schedules.task_schedule_agrees(schedule.make, schedule.group_rates, before,
+                                                                     after, step):
+        info(f"--max-steps {before} → {after} at step {step}: the task's schedule gave every step so far the rate a "
+             f"run of {after} steps gives it, so the run goes on as one started with {after}")
+        return True
+    was = f"--max-steps {before}" if epochs_before == math.inf else f"--max-epochs {epochs_before:g}"
+    raise ConfigError(f"snapshot {start.path} (step {step}) was taken in a run of {was} whose task builds its own "
+                      "schedule (Task.make_scheduler), which gives the steps so far other rates over the new length, "
+                      f"so it cannot go on exactly; keep {was}, or start a new run from its weights and optimizer "
+                      f"state with --init-from {start.path} --init-optimizer")
 
 
 def _longer_run_goes_on_exactly(saved: dict[str, Any], current: dict[str, Any], cfg: RunConfig, start: Snapshot,
