@@ -93,7 +93,8 @@ def _add_plan_parser(commands: Any) -> None:
     plan = commands.add_parser("plan", help="a dry run of the job as a few ranks of its real world size (fake "
                                "process group, this machine's CPU): memory, collectives, snapshot, time, goodput; "
                                "refuses what would fail at that scale (exit 2)")
-    plan.add_argument("--config", default=None, help="settings from a TOML file or a run's config.json, as for train")
+    plan.add_argument("--config", default=None, help="settings from a TOML file, a run's config.json or a nanoGPT "
+                      "config/*.py, as for train")
     shape = plan.add_argument_group("the target", "the job's shape at the scale planned for")
     shape.add_argument("--world-size", type=int, default=None, help="ranks in all (or --nnodes x --nproc-per-node)")
     shape.add_argument("--nnodes", type=int, default=None, help="nodes (with --nproc-per-node)")
@@ -137,8 +138,8 @@ def build_parser() -> OneLineParser:
     train = commands.add_parser("train", help="train a task on every local GPU (or CPU ranks), "
                                 "or as one rank under torchrun / srun")
     train.add_argument("--config", default=None, help="settings from a TOML file (keys are the flag "
-                       "names, at the top or in their section's table: [snapshots] save-every = 100) or a run's "
-                       "config.json; flags given here win")
+                       "names, at the top or in their section's table: [snapshots] save-every = 100), a run's "
+                       "config.json or a nanoGPT config/*.py (read as data, never run); flags given here win")
     _add_config_flags(train)
     # torch.distributed.launch without --use-env passes this to every rank.
     train.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int,
