@@ -37,7 +37,10 @@ from . import files, rank_parts
 
 UPLOAD_WAIT_S = 60.0  # default seconds a finished run waits for a store to take what it has not yet
 PREEMPTED_UPLOAD_WAIT_S = 10.0  # at most, after a stop signal (its grace period is short; the next start syncs)
-QUIET_WAIT_S = 1.0  # an end's wait shorter than this (a live store) prints nothing
+# An end's wait shorter than this, with the store answering, prints nothing: a live store's last
+# uploads took over 1 s on a busy machine (a CPU hog beside a fresh clone's suite) right after an
+# outage's catch-up, and said it waited where nothing was worth a line.
+QUIET_WAIT_S = 5.0
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0)  # between attempts while the store does not answer (a silent one's take ~15 s)
 # beside the run files: model.pt, --keep-best's best/, --ema's average
 END_FILES = ("model.pt", "best/model.pt", "best/best.json", "ema/model.pt")
