@@ -39,7 +39,7 @@ def test_the_batches_the_optimizer_and_the_cadence_each_from_their_own_settings(
     progress = Progress(steps_per_epoch=batches[0].steps_per_epoch)
     cadence = make_cadence(cfg, progress, evaluates=True, best=BestModel("eval_loss", patience=1))
     assert not cadence.done()
-    assert recorded(cfg, 2)["global_batch"] == 32 and recorded(cfg, 4)["global_batch"] == 64
+    assert recorded(cfg, 2, task)["global_batch"] == 32 and recorded(cfg, 4, task)["global_batch"] == 64
 
 
 def test_the_evaluations_of_a_subset_are_the_same_samples_on_every_world_size(tmp_path):
