@@ -146,7 +146,7 @@ def train(run_dir: Path, steps: int, options: list[str], width: int, timeout_s: 
     wall_s = time.perf_counter() - started
     if any(p.returncode for p in procs):
         raise SystemExit(f"slow_links: a run failed ({' '.join(options) or 'every-step'}):\n" + "\n".join(outputs))
-    from ddptrain.observe.report import read_metrics, summarize
+    from ddptrain.observe.summary import read_metrics, summarize
 
     samples = steps * 64  # 2 ranks x 32
     evals = [r["eval_loss"] for r in read_metrics(run_dir) if "eval_loss" in r]

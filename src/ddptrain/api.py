@@ -139,6 +139,6 @@ def fit(task: str | TaskFactory, *, config: str | None = None, **options: Any) -
 
 def summary_of(cfg: RunConfig) -> dict[str, Any]:
     """The finished run's summary (read from its metrics.jsonl)."""
-    from .observe.report import summarize
+    from .observe.summary import summarize
 
     return summarize(RunDir.of(cfg.with_run_dir().run_dir).local)

@@ -230,7 +230,7 @@ def train(args: argparse.Namespace) -> int:
 
 def report(args: argparse.Namespace) -> int:
     from .observe.goodput import UNKNOWN, account, goodput_table, plot_timeline, read_timeline
-    from .observe.report import format_summary, plot_curves, summarize
+    from .observe.summary import format_summary, plot_curves, summarize
     from .run_dir import RunDir
 
     if args.sync == "store":
@@ -245,7 +245,7 @@ def report(args: argparse.Namespace) -> int:
     summary = summarize(run_dir)
     found = account(read_timeline(run_dir))
     if args.json:  # for machines: the summary, goodput's parts and the curves' series, nothing else
-        from .observe.report import curve_series, read_metrics
+        from .observe.summary import curve_series, read_metrics
 
         print(json.dumps({"summary": summary, "goodput": found, "curves": curve_series(read_metrics(run_dir))},
                          indent=2))
@@ -297,7 +297,7 @@ def sync_store(url: str) -> str:
 
 
 def sync_tracker(run_dir: Path, name: str, summary: dict[str, Any]) -> str:
-    from .observe.report import read_metrics
+    from .observe.summary import read_metrics
     from .observe.trackers import tracker_named
     from .observe.tracking import sync
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import schedules
 from .comm import CollectiveMarks, DistContext, apply_step_timeout
 from .data import EvalBatches, StreamBatches, TrainBatches, eval_subset, is_stream, training_batches
 from .errors import ConfigError
@@ -41,7 +42,6 @@ from .resilience.guard import NonFiniteGuard
 from .resilience.replicas import ReplicaGroups, data_context
 from .resilience.stop_signals import StopSignal
 from .run_dir import RunDir
-from .schedules import decay_start
 from .settings import OPTIMIZER_SETTINGS, RunConfig, unset_settings
 from .snapshots.best import BestModel, best_model
 from .snapshots.checkpointer import Checkpointer, OneTable
@@ -286,22 +286,12 @@ def build_batches(task: Task, cfg: RunConfig, ctx: DistContext, cpu_group: Any) 
 
 
 def make_cadence(cfg: RunConfig, progress: Progress, evaluates: bool, best: BestModel | None) -> Cadence:
-    """What is due after each step: evaluations, --save-every's snapshots (and the one before a
-    warmup-stable-decay's decay: stable_end), the run's end."""
+    """What is due after each step: evaluations, --save-every's snapshots (and, in a run counted
+    in steps, the one where a warmup-stable-decay's decay begins: schedules.stable_end), the run's end."""
+    by_steps = run_steps(cfg.training, progress.steps_per_epoch) if cfg.epochs == math.inf else None
     return Cadence(cfg.training, cfg.evaluation, cfg.save_every, progress, evaluates,
                    stopped_early=lambda: best is not None and best.stopped,
-                   save_at=stable_end(cfg, progress.steps_per_epoch))
-
-
-def stable_end(cfg: RunConfig, steps_per_epoch: int | None) -> int | None:
-    """With --decay-fraction, in a run counted in steps, the step at which the decay begins: its
-    snapshot is kept whatever --keep says, the one a run with a larger --max-steps goes on from
-    exactly (restore.py). None otherwise."""
-    total = run_steps(cfg.training, steps_per_epoch)
-    if cfg.decay_fraction is None or cfg.lr_schedule == "constant" or total is None or cfg.epochs != math.inf:
-        return None
-    start = decay_start(cfg.warmup_steps, total, cfg.decay_fraction)
-    return start if 0 < start < total else None
+                   save_at=schedules.stable_end(cfg.optim, by_steps))
 
 
 def build_evaluations(task: Task, cfg: RunConfig, ctx: DistContext, strategy: Strategy, module: torch.nn.Module,

@@ -46,6 +46,16 @@ def decay_start(warmup_steps: int, total_steps: int, decay_fraction: float | Non
     return max(warmup_steps, total_steps - math.floor(decay_fraction * total_steps + 0.5))
 
 
+def stable_end(optim: OptimizerSettings, total_steps: int | None) -> int | None:
+    """A warmup-stable-decay's (--decay-fraction) first decayed step in a run of ``total_steps``
+    (None: not counted in steps): the step whose snapshot a longer run goes on from exactly, kept
+    whatever --keep says. None where the run has no such step."""
+    if optim.decay_fraction is None or optim.lr_schedule == "constant" or total_steps is None:
+        return None
+    start = decay_start(optim.warmup_steps, total_steps, optim.decay_fraction)
+    return start if 0 < start < total_steps else None
+
+
 def schedule_agrees(optim: OptimizerSettings, saved_total: int, total: int, through_step: int) -> bool:
     """Whether --lr-schedule over ``total`` steps gives every step up to ``through_step`` (a
     snapshot's next) the rate it had over ``saved_total``: a longer or shorter run that resumes

@@ -21,7 +21,7 @@ import torch
 
 import ddptrain
 from ddptrain.launch import allocator
-from ddptrain.observe import report
+from ddptrain.observe import summary as records
 
 TESTS = Path(__file__).parent.parent
 REPO = TESTS.parent
@@ -323,5 +323,5 @@ def alive(pid: int) -> bool:
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """metrics.jsonl's epoch and evaluation records: its last line, a finished run's goodput
     record, is test_goodput.py's, and the step records of --log-every are test_watching.py's
-    (``ddptrain.observe.report.read_metrics`` reads every line)."""
-    return [r for r in report.read_metrics(run_dir) if r.get("kind") not in ("goodput", "step")]
+    (``ddptrain.observe.summary.read_metrics`` reads every line)."""
+    return [r for r in records.read_metrics(run_dir) if r.get("kind") not in ("goodput", "step")]

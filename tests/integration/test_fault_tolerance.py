@@ -12,7 +12,7 @@ import pytest
 
 from ddptrain import free_port
 from ddptrain.observe.goodput import account, read_timeline
-from ddptrain.observe.report import summarize
+from ddptrain.observe.summary import summarize
 from helpers import ft_groups
 from helpers.commands import (
     ForkedCommand,

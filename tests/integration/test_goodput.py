@@ -9,7 +9,7 @@ import pytest
 
 from ddptrain.cli import main
 from ddptrain.observe.goodput import PARTS, TIMELINE, UNKNOWN, account, attempts_of, place, read_timeline
-from ddptrain.observe.report import read_metrics
+from ddptrain.observe.summary import read_metrics
 from helpers.commands import fit
 
 TASKS = "ddptrain_test_tasks:"

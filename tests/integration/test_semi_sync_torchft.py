@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ddptrain.observe.report import summarize
+from ddptrain.observe.summary import summarize
 from helpers.commands import assert_same_weights, fit, kill_tree, load_model, read_metrics
 from helpers.ft_groups import group_1_killed_and_restarted, group_job, serving_lighthouse, wait_ok
 

@@ -8,7 +8,7 @@ import csv
 import pytest
 
 from ddptrain.data.sampling import StepSampler
-from ddptrain.observe.report import read_metrics
+from ddptrain.observe.summary import read_metrics
 from helpers.commands import fit
 
 from figure_tasks import SAMPLES

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ddptrain import TrainingFailed
-from ddptrain.observe.report import read_metrics as every_record  # metrics.jsonl whole: the trackers' copy
+from ddptrain.observe.summary import read_metrics as every_record  # metrics.jsonl whole: the trackers' copy
 from ddptrain.snapshots import files
 from helpers.commands import assert_ok, clean_env, ddptrain_cli, fit, read_metrics
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ddptrain.cli import main
-from ddptrain.observe.report import curve_series, read_metrics
+from ddptrain.observe.summary import curve_series, read_metrics
 from helpers.commands import assert_same_weights, fit, load_model
 
 TASKS = "watch_tasks:"

@@ -10,7 +10,7 @@ import torch
 
 from ddptrain.errors import ConfigError
 from ddptrain.optim import nanogpt_schedule
-from ddptrain.schedules import decay_start, lr_factor, schedule_agrees, task_schedule_agrees
+from ddptrain.schedules import decay_start, lr_factor, schedule_agrees, stable_end, task_schedule_agrees
 from ddptrain.settings import RunConfig
 from ddptrain.settings.checks import validate
 from ddptrain.snapshots.restore import TASK_SCHEDULE_LENGTH, Snapshot, TaskSchedule, resumed_config
@@ -78,6 +78,20 @@ def test_a_decay_fraction_holds_the_rate_then_decays_over_the_run_s_last_share()
         assert factor(15 + k) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 5)), abs=1e-15)
     assert decay_start(2, 20, 0.25) == 15 and decay_start(2, 20, None) == 2
     assert decay_start(18, 20, 0.5) == 18  # never inside the warm-up
+
+
+def test_the_snapshot_kept_before_a_decay_is_its_first_decayed_step_and_only_where_there_is_one():
+    """schedules.stable_end: what the cadence saves and --keep spares (parts.make_cadence), and
+    what a finished run's message names (launch/rank.py), one function for both."""
+    def optim(**options):
+        return RunConfig(**{"lr_schedule": "cosine", "warmup_steps": 2, "decay_fraction": 0.25, **options}).optim
+
+    assert stable_end(optim(), 20) == 15
+    assert stable_end(optim(), None) is None  # a run counted in epochs
+    assert stable_end(optim(decay_fraction=None), 20) is None  # the decay spans the run
+    assert stable_end(optim(lr_schedule="constant"), 20) is None  # no decay at all
+    assert stable_end(optim(decay_fraction=0.01), 20) is None  # rounds to no decayed step: the run's end
+    assert stable_end(optim(warmup_steps=0, decay_fraction=1.0), 20) is None  # decays from step 0
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])

@@ -52,6 +52,24 @@ def test_newest_good_snapshot_wins_over_broken_ones(tmp_path):
     assert not os.path.exists("/tmp/ddptrain-pwned"), "the malicious pickle ran code"
 
 
+def test_init_optimizer_takes_a_run_dirs_newest_snapshot_that_loads(tmp_path):
+    """--init-optimizer from a run dir reads its snapshots once, as a resume does: a damaged
+    newest one is named and the one before it taken; a snapshot named by its path is that one."""
+    from ddptrain.snapshots.init_from import snapshot_at
+
+    folder = tmp_path / "run" / "snapshots"
+    folder.mkdir(parents=True)
+    files.atomic_save(_good_state(5), folder / "step-000000005.pt")
+    (folder / "step-000000010.pt").write_bytes(b"PK cut")
+    with pytest.warns(UserWarning, match=r"step-000000010\.pt cannot be read .*; trying the previous snapshot"):
+        path, state = snapshot_at(str(tmp_path / "run"))
+    assert path.name == "step-000000005.pt" and state["progress"]["global_step"] == 5
+    path, state = snapshot_at(str(folder / "step-000000005.pt"))
+    assert path == folder / "step-000000005.pt" and state["progress"]["global_step"] == 5
+    with pytest.raises(ConfigError, match=r"^--init-optimizer: --init-from .* holds no snapshot"):
+        snapshot_at(str(tmp_path / "elsewhere"))
+
+
 def test_an_unfinished_dcp_folder_is_named_and_removed(tmp_path):
     partial = tmp_path / ".step-000000040.partial"
     partial.mkdir()

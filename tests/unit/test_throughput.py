@@ -59,7 +59,7 @@ def test_a_small_models_tflops_keep_three_significant_digits():
 def test_the_summary_keeps_a_small_models_tflops_to_3_significant_digits(tmp_path):
     import json
 
-    from ddptrain.observe.report import summarize
+    from ddptrain.observe.summary import summarize
 
     epochs = [{"kind": "epoch", "epoch": e, "step": 32 * (e + 1), "train_loss": 1.0, "epoch_time_s": 0.3,
                "samples_per_s": 7850.04, "tflops": 5.2134e-07, "mfu": 1.23456e-05} for e in range(2)]

@@ -12,9 +12,10 @@ from torch.utils.data import Subset, TensorDataset
 from ddptrain import ConfigError, RunConfig
 from ddptrain.cli import main
 from ddptrain.data import eval_subset
-from ddptrain.observe.report import config_json, console_line, curve_series, format_summary, summarize
+from ddptrain.observe.report import config_json, console_line
 from ddptrain.observe.step_figures import StepFigure
 from ddptrain.observe.step_records import StepWindow
+from ddptrain.observe.summary import curve_series, format_summary, summarize
 from ddptrain.observe.tracking import metrics_of, params_of
 from ddptrain.optim import build_schedule, describe_optimizer, lr_factor, run_steps
 from ddptrain.settings import OPTIMIZER_SETTINGS, unset_settings

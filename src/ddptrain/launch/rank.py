@@ -39,7 +39,7 @@ from ..resilience.hold import RunDirHold, job_id
 from ..resilience.stop_signals import PREEMPTED_EXIT_CODE
 from ..resilience.watchdog import PERIOD_S, Watchdog
 from ..run_dir import RunDir, snapshot_name
-from ..schedules import decay_start
+from ..schedules import stable_end
 from ..settings import RunConfig
 from ..settings.sections import LONGER_RUN_SAME_MATH
 from ..snapshots.files import snapshot_dir
@@ -315,10 +315,10 @@ def finished_message(run_dir: str, cfg: RunConfig, epoch: int, step: int, model:
 
 def _snapshot_before_decay(run_dir: str, cfg: RunConfig) -> Path | None:
     """A warmup-stable-decay run's snapshot from the step its decay began (kept whatever --keep
-    says: parts.stable_end), where it is in ``run_dir``; None otherwise."""
-    if cfg.decay_fraction is None or cfg.max_steps is None or cfg.epochs != math.inf:
+    says: schedules.stable_end), where it is in ``run_dir``; None otherwise."""
+    step = stable_end(cfg.optim, cfg.max_steps if cfg.epochs == math.inf else None)
+    if step is None:
         return None
-    step = decay_start(cfg.warmup_steps, cfg.max_steps, cfg.decay_fraction)
     folder = snapshot_dir(Path(run_dir))
     found = [folder / snapshot_name(step, folder=dcp) for dcp in (False, True)]
     return next((path for path in found if path.exists()), None)

@@ -96,7 +96,7 @@ class Checkpointer:
         uploads.Uploader to the run dir's store, if it has one (snapshots go up behind the training,
         committed there by their manifests); ``on_committed(location, progress)``:
         called on every rank once every rank knows a snapshot is committed (Ray Train's reports);
-        ``spare_step``: the step whose snapshot --keep never removes (parts.stable_end)."""
+        ``spare_step``: the step whose snapshot --keep never removes (schedules.stable_end)."""
         self.snapshots, self.recorded = snapshots, dict(recorded)
         self.ctx, self.group, self.marks = ctx, group, marks
         self.weights, self.states, self.start = weights, dict(states), start

@@ -339,7 +339,7 @@ def load_newest(directory: Path, map_location: str | torch.device = "cpu"
             skipped.append(error)
             continue
         for broken in skipped:
-            warnings.warn(f"{broken}; resuming from the previous snapshot", stacklevel=2)
+            warnings.warn(f"{broken}; trying the previous snapshot", stacklevel=2)
         return found
     if candidates:
         newest = str(skipped[0]).split(" ", 2)[-1]

@@ -126,18 +126,19 @@ def _tied_names(module: torch.nn.Module) -> dict[str, set[str]]:
     return {name: names - {name} for names in by_tensor.values() for name in names}
 
 
-def snapshot_at(path: str) -> Path:
-    """--init-optimizer's snapshot: ``path`` itself (``step-N.pt`` or a DCP folder), or a run dir's newest."""
+def snapshot_at(path: str) -> tuple[Path, dict[str, Any]]:
+    """--init-optimizer's snapshot, loaded: ``path`` itself (``step-N.pt`` or a DCP folder), or a
+    run dir's newest that loads (a broken newer one is skipped with a warning, as a resume does)."""
     where = Path(path)
     if files.SNAPSHOT_NAME.match(where.name) and where.exists():
-        return where
-    found = files.list_snapshots(files.snapshot_dir(where)) if files.snapshot_dir(where).is_dir() else []
-    if not found:
+        return where, files.load_snapshot(where)
+    found = files.load_newest(files.snapshot_dir(where)) if files.snapshot_dir(where).is_dir() else None
+    if found is None:
         raise ConfigError(f"--init-optimizer: --init-from {path} holds no snapshot, so no optimizer state (a model.pt, "
                           "a .safetensors file or a Hugging Face folder is weights only); give a snapshot "
                           "(RUN_DIR/snapshots/step-N.pt or a DCP folder) or a run dir that has some, or drop "
                           "--init-optimizer")
-    return found[-1]
+    return found
 
 
 def load_training_state(weights: Any, path: str) -> str:
@@ -145,8 +146,7 @@ def load_training_state(weights: Any, path: str) -> str:
     parallel.base.ModelAndOptimizer), resharded where the layout differs; the optimizer's
     hyper-parameters (rates, weight decay, betas) stay this run's, so its own schedule sets the
     rates from its step 0. The line to print."""
-    snapshot = snapshot_at(path)
-    saved = files.load_snapshot(snapshot)
+    snapshot, saved = snapshot_at(path)
     optimizer = weights.optimizer
     own = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
     current = snapshot_dcp.whole_shapes(cast(dict[str, torch.Tensor], get_model_state_dict(weights.module)))
