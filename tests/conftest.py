@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 TESTS = Path(__file__).parent
@@ -87,6 +88,32 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(path, "a") as out:
         out.write(f"{item.nodeid}\t{time.monotonic() - began:.2f}\t{cpu() - cpu_began:.2f}\t{worker}\t{started:.1f}\n")
+
+
+def _machine_cpu_seconds() -> float:
+    """Every CPU-second this machine has spent (user, nice, system, irq), from /proc/stat."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:8]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[MACHINE_AT_START] = (_machine_cpu_seconds(), time.monotonic())
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """DDPTRAIN_TEST_CPU=FILE: the machine's CPU over the whole session too (in the process that
+    runs the workers), which the tests' own lines miss where a process no test waited for did the
+    work: Ray's actors and daemons (test_launch_ray.py: 116 CPU-s alone, 11 counted), servers."""
+    path = os.environ.get("DDPTRAIN_TEST_CPU")
+    if not path or hasattr(session.config, "workerinput") or MACHINE_AT_START not in session.config.stash:
+        return
+    cpu, began = session.config.stash[MACHINE_AT_START]
+    with open(path, "a") as out:
+        out.write(f"#machine\t{time.monotonic() - began:.1f}\t{_machine_cpu_seconds() - cpu:.1f}\t{os.cpu_count()}\n")
+
+
+MACHINE_AT_START = pytest.StashKey[tuple[float, float]]()
 
 
 # Set by pytest itself, or by torch when a module is first imported: not a test's doing.

@@ -24,7 +24,8 @@ def by_file(lines: list[str]) -> dict[str, tuple[float, float, int]]:
 
 def main(path: str, top: int = 25) -> None:
     with open(path) as tsv:
-        lines = [line for line in tsv if line.strip()]
+        every = [line for line in tsv if line.strip()]
+    lines = [line for line in every if not line.startswith("#")]
     files = sorted(by_file(lines).items(), key=lambda item: -item[1][1])
     wall_all, cpu_all = sum(f[1][0] for f in files), sum(f[1][1] for f in files)
     print(f"{'file':52} {'tests':>5} {'wall s':>8} {'CPU s':>8} {'CPU/wall':>8}")
@@ -32,6 +33,12 @@ def main(path: str, top: int = 25) -> None:
         print(f"{name:52} {count:5d} {wall:8.1f} {cpu:8.1f} {cpu / max(wall, 1e-9):8.2f}")
     print(f"{'all (' + str(len(lines)) + ' tests)':52} {'':5} {wall_all:8.1f} {cpu_all:8.1f} "
           f"{cpu_all / max(wall_all, 1e-9):8.2f}")
+    for line in every:
+        if line.startswith("#machine\t"):
+            wall, cpu, cores = (float(x) for x in line.split("\t")[1:4])
+            print(f"the machine over the session: {cpu:,.0f} CPU s in {wall:,.0f} s ({cpu / wall / cores:.0%} of "
+                  f"{cores:.0f} cores); {cpu - cpu_all:,.0f} CPU s in no test's own (processes no test waited "
+                  "for: Ray's actors, servers; pytest's workers between tests)")
     tests = sorted((line.rstrip("\n").split("\t")[:3] for line in lines), key=lambda t: -float(t[2]))
     print("\nthe CPU-heaviest tests:")
     for nodeid, wall, cpu in tests[:top]:
