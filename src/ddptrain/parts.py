@@ -182,6 +182,7 @@ def build_parts(task: Task, cfg: RunConfig, ctx: DistContext) -> RunParts:
     mesh = getattr(strategy, "replica_mesh", None)  # --sync's groups: this job's (a mesh of its ranks), or torchft's
     semi_sync = None if cfg.sync == "every-step" else SemiSync(cfg.parallel, params, ctx.watchdog, mesh=mesh,
                                                                groups=replicas)
+    timings, flops, clock = RankTimings(params), FlopCount(ctx.world_size), TrainingClock()
     checkpointer = Checkpointer(
         cfg.snapshots, recorded(cfg, ctx.world_size, task), ctx, home, strategy, ctx.watchdog, weights=weights,
         states={"scheduler": SchedulerState(schedule), "scaler": ScalerState(scaler),
@@ -189,13 +190,12 @@ def build_parts(task: Task, cfg: RunConfig, ctx: DistContext) -> RunParts:
                 "progress": OneTable(progress, losses, grad_norms, window, guard,
                                      *[part for part in (best, replicas) if part is not None]),
                 **({"semi_sync": semi_sync} if semi_sync is not None else {})},
-        per_rank={**({"data": batches} if isinstance(batches, StreamBatches) else {}),
+        per_rank={"flops": flops, **({"data": batches} if isinstance(batches, StreamBatches) else {}),
                   **({"group_optimizers": GroupOptimizers(optimizer, mesh, ctx)} if mesh is not None else {})},
         start=start, group=cpu_group, uploads=uploads, on_committed=ray.committed if ray.active else None,
         spare_step=cadence.save_at)
     stop_signal = StopSignal(cpu_group, checkpointer.due_by_time if ctx.is_main else None, ctx.watchdog)
 
-    timings, flops, clock = RankTimings(params), FlopCount(), TrainingClock()
     peak_tflops = cfg.peak_tflops or device_peak_tflops(ctx.device)
     records = StepRecords(window, ctx, progress, clock, flops, optimizer, tokens_per_sample=task.tokens_per_sample,
                           peak_tflops=peak_tflops, write=reporter.log_step)

@@ -48,11 +48,27 @@ def peak_tflops_of(device_name: str) -> float | None:
 
 
 class FlopCount:
-    """This rank's FLOPs of one optimizer step, counted on the first step it is asked to."""
+    """This rank's FLOPs of one optimizer step, counted on the first step it is asked to.
 
-    def __init__(self) -> None:
+    Counting runs that step under torch's FlopCounterMode, whose dispatch changes the rounding of
+    some models' gradients (a transformer block's: its backward's sums in another order). A run
+    resumed from a snapshot would count again on its first step and so compute that step unlike
+    the uninterrupted run: the count is kept in each rank's part of the snapshot (a ``PerRank``
+    state, snapshots/checkpointer.py) and taken back on the same world size, so only a run's
+    first step ever runs under the counter."""
+
+    def __init__(self, world_size: int = 1) -> None:
         self.per_step: int | None = None  # this rank's
+        self.world_size = world_size
         self._mode: Any = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"per_step": self.per_step}
+
+    def load_state_dict(self, saved: dict[str, Any] | None, saved_world_size: int) -> None:
+        """This rank's count from the snapshot (on another world size its batch differs: counted again)."""
+        if saved is not None and saved_world_size == self.world_size:
+            self.per_step = saved.get("per_step")
 
     @contextlib.contextmanager
     def first_step(self) -> Any:
