@@ -116,6 +116,16 @@ def sum_over_ranks(parts: dict[str, torch.Tensor], marks: CollectiveMarks, label
     return {name: piece.reshape(parts[name].shape) for name, piece in zip(names, pieces)}
 
 
+def local_tensors(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every gradient as this rank holds it (a DTensor's local shard): a rank whose squares count."""
+    return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+
+
+def no_tensors(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """None of them: a rank whose gradients repeat another's (ddp's ranks but rank 0)."""
+    return []
+
+
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     """``obj`` from rank ``src``, on every rank (the argument is ignored elsewhere)."""
     holder = [obj]

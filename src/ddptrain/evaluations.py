@@ -63,7 +63,8 @@ class Evaluations:
 
         def figures() -> dict[str, float]:
             return evaluate(model, batches, self.task, self.strategy.autocast(), self.ctx.rank, self.ctx.world_size,
-                            self.ctx.watchdog, forward_syncs=self.strategy.forward_syncs)
+                            self.ctx.watchdog, forward_syncs=self.strategy.forward_syncs,
+                            counts=self.strategy.counts_data)
 
         self.newest = {f"eval_{k}": v for k, v in figures().items()}
         if self.average is not None:  # the average's figures beside the weights'

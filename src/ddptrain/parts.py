@@ -130,7 +130,7 @@ class RunParts:
 
     @property
     def global_batch(self) -> int:
-        return self.cfg.global_batch(self.ctx.world_size)
+        return self.cfg.global_batch(self.cfg.data_ranks(self.ctx.world_size))
 
     @property
     def run_steps(self) -> int | None:
@@ -160,11 +160,11 @@ def build_parts(task: Task, cfg: RunConfig, ctx: DistContext) -> RunParts:
     best = best_model(cfg.evaluation, task, cfg.task)  # (checked before a fresh start moves earlier files aside)
     start, cfg = choose_start(task, cfg, ctx, home, module, weights, average, reporter)
 
-    batches = build_batches(task, cfg, ctx, cpu_group)
+    batches = build_batches(task, cfg, strategy.data_context(ctx), cpu_group)
     steps = batches.steps_per_epoch  # None: a stream's epoch ends when it does
     progress = Progress(steps_per_epoch=steps)
     losses = EpochLosses(ctx.device, steps or 64, carries=ctx.is_main)
-    grad_norms = GradNorms(ctx.device, steps or 64, carries=ctx.is_main, counts=strategy.counts_gradients)
+    grad_norms = GradNorms(ctx.device, steps or 64, strategy.counted_gradients, carries=ctx.is_main)
     window = StepWindow(ctx.device, cfg.observe.log_interval(run_steps(cfg.training, steps)),
                         step_figures(task.step_figures), ctx.rank, ctx.world_size)
     guard = NonFiniteGuard(cfg.skip_nonfinite)
@@ -276,11 +276,15 @@ def choose_start(task: Task, cfg: RunConfig, ctx: DistContext, home: RunDir, mod
 
 
 def build_batches(task: Task, cfg: RunConfig, ctx: DistContext, cpu_group: Any) -> TrainBatches | StreamBatches:
-    """The training batches: each rank's share of every step (under --fault-tolerance torchft, of
-    every replica group's ranks)."""
+    """The training batches: each data-parallel rank's share of every step (``ctx``: the strategy's
+    data context, a tensor-parallel group's under --tp; under --fault-tolerance torchft, of every
+    replica group's ranks)."""
     if cfg.fault_tolerance == "torchft" and is_stream(task.train_set):
         raise ConfigError("--fault-tolerance torchft needs a map-style training set for now (a stream's "
                           "shares cannot move between replica groups); drop one of them")
+    if cfg.tp > 1 and is_stream(task.train_set):
+        raise ConfigError(f"--tp {cfg.tp} needs a map-style training set for now (a stream's reading is agreed over "
+                          "every rank, a group's ranks count once); drop one of them")
     return training_batches(task.train_set, cfg.training, data_context(cfg.resilience, ctx), task.collate_fn,
                             cpu_group)
 
@@ -299,8 +303,10 @@ def build_evaluations(task: Task, cfg: RunConfig, ctx: DistContext, strategy: St
                       uploads: Uploader | None, share_buffers: Callable[[], None]) -> Evaluations:
     """The held-out set's evaluations: over the whole set, or --eval-batches' subset with the
     whole set for the run's last (--final-eval full)."""
+    data = strategy.data_context(ctx)  # (--tp: a group's ranks evaluate the same batches)
+
     def batches(dataset: Any) -> EvalBatches:
-        return EvalBatches(dataset, cfg.batch_size, ctx.rank, ctx.world_size, ctx.device, cfg.workers,
+        return EvalBatches(dataset, cfg.batch_size, data.rank, data.world_size, ctx.device, cfg.workers,
                            task.collate_fn, equal_counts=strategy.forward_syncs)
 
     evaluated = task.eval_set
@@ -320,7 +326,9 @@ def build_evaluations(task: Task, cfg: RunConfig, ctx: DistContext, strategy: St
 def recorded(cfg: RunConfig, world_size: int, task: Task) -> dict[str, Any]:
     """What every snapshot holds of the settings, for a run that resumes it to compare (restore.py):
     with a task's own schedule, the run's length it was given too."""
-    fingerprint = cfg.math_fingerprint(world_size)
+    ranks = cfg.data_ranks(world_size)
+    fingerprint = cfg.math_fingerprint(ranks)
     if task.make_scheduler is not None:
         fingerprint[TASK_SCHEDULE_LENGTH] = task_schedule_length(cfg)
-    return {"batch_size": cfg.batch_size, "global_batch": cfg.global_batch(world_size), "fingerprint": fingerprint}
+    return {"batch_size": cfg.batch_size, "global_batch": cfg.global_batch(ranks), "fingerprint": fingerprint,
+            "data_world": ranks}

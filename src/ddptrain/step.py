@@ -113,7 +113,7 @@ class OptimizerStep:
             self.strategy.check_gradients(self.module)
             self.gradients_checked = True
         if self.clip_grad:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad)
+            self.strategy.clip_gradients(self.params, self.clip_grad)
         if self.replicas is not None and not self.replicas.commit(step, step_samples):  # a peer failed in it
             self._step_scheduler()
             return total, step_samples
@@ -185,6 +185,8 @@ class OptimizerStep:
         for name, value in figures.items():
             value = torch.as_tensor(value).detach().to(device=self.ctx.device, dtype=torch.float64).reshape(())
             combine, held = self.task.step_figures[name], self.figures.get(name)
+            if combine == "sum" and not self.strategy.counts_data:  # (--tp: the group's first rank counts it)
+                value = torch.zeros_like(value)
             if combine == "mean":
                 value = value / micro_batches
             if held is not None:

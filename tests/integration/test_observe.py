@@ -284,7 +284,7 @@ def _tally_an_epoch(rank, world):
     goes bad."""
     import time
 
-    from ddptrain.comm import DistContext
+    from ddptrain.comm import DistContext, local_tensors
     from ddptrain.errors import NonFiniteError
     from ddptrain.observe.metrics import EpochLosses, GradNorms, RankTimings
     from ddptrain.observe.step_records import StepRecords, StepWindow
@@ -302,7 +302,7 @@ def _tally_an_epoch(rank, world):
                           tokens_per_sample=None, peak_tflops=None, write=lambda record: None)
     tally = EpochTally(
         ctx=ctx, progress=progress, losses=EpochLosses(ctx.device, 4, carries=rank == 0),
-        grad_norms=GradNorms(ctx.device, 4, counts=True, carries=rank == 0), timings=RankTimings(params),
+        grad_norms=GradNorms(ctx.device, 4, local_tensors, carries=rank == 0), timings=RankTimings(params),
         flops=FlopCount(), guard=NonFiniteGuard(1), params=params,
         optimizer=optimizer, average=None, newest_snapshot=lambda: "snapshots/step_00000003.pt",
         tokens_per_sample=None, peak_tflops=None, records=records, clock=clock)

@@ -72,26 +72,27 @@ def test_a_resume_keeps_the_records_before_its_snapshot_and_logs_its_epochs_end_
     assert [kept_on_resume(r, 40, 1) for r in records] == [True, False, False, False]  # inside epoch 1
 
 def test_grad_norms_are_the_mean_and_largest_over_the_epoch_and_a_resume_adds_up_the_same():
+    from ddptrain.comm import local_tensors, no_tensors
     from ddptrain.observe.metrics import GradNorms
 
     steps = [[torch.tensor([3.0, 4.0])], [torch.tensor([0.0, 1.0]), torch.tensor([[2.0, 2.0]])],
              [torch.tensor([float("inf")])], [torch.tensor([6.0, 8.0])]]  # norms 5, 3, inf (skipped), 10
-    whole = GradNorms(torch.device("cpu"), capacity=2, counts=True)  # (the slots grow)
+    whole = GradNorms(torch.device("cpu"), capacity=2, counted=local_tensors)  # (the slots grow)
     for grads in steps:
         whole.add(grads)
     figures = whole.figures(whole.local_squares())
     assert figures == {"grad_norm": pytest.approx(6.0), "grad_norm_max": 10.0}  # (float32 norms)
 
-    first = GradNorms(torch.device("cpu"), capacity=4, counts=True)
+    first = GradNorms(torch.device("cpu"), capacity=4, counted=local_tensors)
     for grads in steps[:2]:
         first.add(grads)
     first.figures(first.local_squares())  # reduced before a snapshot
-    resumed = GradNorms(torch.device("cpu"), capacity=4, counts=True)
+    resumed = GradNorms(torch.device("cpu"), capacity=4, counted=local_tensors)
     resumed.load_state_dict(first.state_dict())
     for grads in steps[2:]:
         resumed.add(grads)
     assert resumed.figures(resumed.local_squares()) == figures  # exactly
-    silent = GradNorms(torch.device("cpu"), capacity=4, counts=False)  # ddp's other ranks: the same length, zeros
+    silent = GradNorms(torch.device("cpu"), capacity=4, counted=no_tensors)  # ddp's other ranks: the same length, zeros
     silent.add(steps[0])
     assert silent.local_squares().tolist() == [0.0]
 

@@ -18,8 +18,12 @@ def rank(r: int, world: int) -> DistContext:
                        backend="gloo")
 
 
-class _NoStrategy:  # what build_evaluations reads of a strategy: whether its forward holds a collective
-    forward_syncs = False
+class _NoStrategy:  # what build_evaluations reads of a strategy: whether its forward holds a collective,
+    forward_syncs = False  # and the ranks the data is split over (every rank's own but under --tp)
+
+    @staticmethod
+    def data_context(ctx: DistContext) -> DistContext:
+        return ctx
 
 
 def test_the_batches_the_optimizer_and_the_cadence_each_from_their_own_settings():

@@ -77,6 +77,7 @@ def _note_training_peak(out: str, rank: int) -> None:
 def _loop_rank(rank: int, world: int, job_name: str, epochs: int, out: str, grad_norm: bool = False) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from ..comm import local_tensors, no_tensors
     from ..observe.metrics import GradNorms
 
     job, tick, device = JOBS[job_name], clock(), bench_device(rank)
@@ -91,7 +92,8 @@ def _loop_rank(rank: int, world: int, job_name: str, epochs: int, out: str, grad
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = job.optimizer(model.parameters())
     sampler, loader = _sampler_and_loader(job, world, rank)
-    norms = GradNorms(device, len(loader), counts=job.sharded or rank == 0) if grad_norm else None
+    counted = local_tensors if job.sharded or rank == 0 else no_tensors
+    norms = GradNorms(device, len(loader), counted) if grad_norm else None
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         for batch in loader:

@@ -35,10 +35,12 @@ NO_MARKS = CollectiveMarks()
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: EvalBatches, task: Task, autocast: Any = None,
              rank: int = 0, world_size: int = 1, watchdog: CollectiveMarks = NO_MARKS,
-             forward_syncs: bool = False) -> dict[str, float]:
+             forward_syncs: bool = False, counts: bool = True) -> dict[str, float]:
     """``{"loss": …, <metric>: …, "samples": n}`` over the whole set, exact for any world size.
     ``forward_syncs``: the model's forward holds a collective (sharded): marked for the
-    watchdog, and the model's forward pre-hook marks its end (see Trainer)."""
+    watchdog, and the model's forward pre-hook marks its end (see Trainer). ``counts``: this
+    rank's sums count (--tp: a tensor-parallel group's ranks evaluate the same batches, and the
+    first one's count)."""
     rows: dict[int, dict[str, torch.Tensor]] = {}
     objects = metric_objects(task)
     for metric in objects.values():
@@ -60,6 +62,8 @@ def evaluate(model: torch.nn.Module, batches: EvalBatches, task: Task, autocast:
     for batch_no, sums in rows.items():
         _check_names(sums, names)
         table[batch_no] = torch.stack([torch.as_tensor(sums[n], device=device).double() for n in [*names, "samples"]])
+    if not counts:
+        table.zero_()
     if world_size > 1:
         with watchdog.waiting("evaluation: sum of every rank's figures"):
             dist.all_reduce(table)

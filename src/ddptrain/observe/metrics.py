@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -73,10 +73,12 @@ class GradNorms:
     alone, as every rank holds the same gradients), summed over the ranks with the epoch's
     other figures (Trainer._reduce), then the square root: the epoch's mean and largest norm."""
 
-    def __init__(self, device: torch.device, capacity: int, counts: bool, carries: bool = True) -> None:
-        """``counts``: this rank's squares count (fsdp: every rank; ddp: rank 0); ``carries``: this
-        rank holds a resumed epoch's figures so far (rank 0, which writes the record)."""
-        self.device, self.capacity, self.counts, self.carries = device, max(1, capacity), counts, carries
+    def __init__(self, device: torch.device, capacity: int, counted: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+                 carries: bool = True) -> None:
+        """``counted``: this rank's tensors among its gradients, whose squares sum over the ranks to
+        the norm's (Strategy.counted_gradients: fsdp every rank's shards; ddp rank 0's); ``carries``:
+        this rank holds a resumed epoch's figures so far (rank 0, which writes the record)."""
+        self.device, self.capacity, self.counted, self.carries = device, max(1, capacity), counted, carries
         self.reset()
 
     def reset(self, carried: tuple[float, int, float] = (0.0, 0, 0.0)) -> None:
@@ -87,9 +89,8 @@ class GradNorms:
     def add(self, grads: list[torch.Tensor]) -> None:
         if self.count == len(self.slots):  # a stream's epoch, longer than guessed
             self.slots = torch.cat([self.slots, torch.zeros_like(self.slots)])
-        if self.counts and grads:
-            if hasattr(grads[0], "to_local"):  # fsdp's DTensors: this rank's shards
-                grads = [g.to_local() for g in grads]  # type: ignore[attr-defined]
+        grads = self.counted(grads)
+        if grads:
             # Three ops, each ~5-10 us on a CPU (the tutorial's whole step is ~0.4 ms): one fused norm
             # per tensor (in the gradients' dtype: asked for float64, CPU kernels ran 1.5x the whole
             # step of a 1M-parameter MLP), then their norm in float64, written into this step's slot.

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ..comm import DistContext
+from ..comm import DistContext, local_tensors
 from ..errors import ConfigError
 from ..settings import ParallelSettings
 from ..tasks.protocol import Task
@@ -166,6 +166,23 @@ class Strategy:
 
     def settle(self, module: torch.nn.Module) -> None:
         """Drop whatever the strategy gathered from the parameters (before they are swapped)."""
+
+    # --- what the ranks' sums count ----------------------------------------------------------
+    counts_data = True  # this rank's samples count in sums over ranks (--tp: a group's first rank's only)
+
+    def data_context(self, ctx: DistContext) -> DistContext:
+        """The rank and world the training and evaluation samples are shared over: every rank's
+        own (--tp: a tensor-parallel group is one data-parallel rank)."""
+        return ctx
+
+    def clip_gradients(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        """--clip-grad: torch's clip_grad_norm_ over the whole model's gradients."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def counted_gradients(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's share of the gradients' squares, whose sum over the ranks is the norm's
+        square (observe/metrics.GradNorms): ``counts_gradients``' ranks' local tensors."""
+        return local_tensors(grads) if self.counts_gradients else []
 
     def eval_model(self, module: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
         """Evaluation runs the unwrapped module (no DDP hooks; sharded under fsdp, whose forward

@@ -261,7 +261,7 @@ def _step(task: Task, cfg: RunConfig, ctx: DistContext, strategy: Strategy, mode
         task=task, ctx=ctx, strategy=strategy, model=model, module=module, params=params, optimizer=optimizer,
         scheduler=schedule, scaler=torch.amp.GradScaler("cuda", enabled=False), average=None, batches=batches,
         watchdog=ctx.watchdog, timings=RankTimings(params), flops=FlopCount(),
-        grad_norms=GradNorms(ctx.device, 64, counts=strategy.counts_gradients, carries=ctx.is_main),
+        grad_norms=GradNorms(ctx.device, 64, strategy.counted_gradients, carries=ctx.is_main),
         guard=NonFiniteGuard(cfg.skip_nonfinite), replicas=None, clip_grad=cfg.clip_grad)
 
 

@@ -193,9 +193,27 @@ def _check_strategy_options(cfg: RunConfig) -> None:
                           f"drop it, or add one of them (this run's strategy is {cfg.strategy})")
     if cfg.replicas is not None and cfg.replicas < 1:
         raise ConfigError(f"--replicas must be at least 1, got {cfg.replicas}")
+    _check_tensor_parallel(cfg)
     if cfg.strategy == "ddp":
         return
     used = [flag(name) for name, off in DDP_ONLY.items() if getattr(cfg, name) != off]
     if used:
         raise ConfigError(f"{used[0]} is a DDP option and does nothing with --strategy {cfg.strategy}; "
                           "drop it or use --strategy ddp")
+
+
+def _check_tensor_parallel(cfg: RunConfig) -> None:
+    """--tp: with --strategy fsdp, and without what it is not yet built or tested with."""
+    if cfg.tp < 1:
+        raise ConfigError(f"--tp must be at least 1, got {cfg.tp}")
+    if cfg.tp == 1:
+        return
+    if cfg.strategy != "fsdp":
+        raise ConfigError(f"--tp {cfg.tp} composes tensor parallelism with --strategy fsdp (this run's is "
+                          f"{cfg.strategy}; ddp and hsdp with --tp: not yet); pass --strategy fsdp")
+    not_yet = [flag for flag, used in (
+        ("--fault-tolerance torchft", cfg.fault_tolerance == "torchft"),
+        (f"--sync {cfg.sync}", cfg.sync != "every-step"), ("--compile", cfg.compile),
+        ("--activation-checkpointing", cfg.activation_checkpointing), (f"--ema {cfg.ema:g}", cfg.ema > 0)) if used]
+    if not_yet:
+        raise ConfigError(f"--tp {cfg.tp} with {not_yet[0]}: not built yet (docs/tensor-parallel.md); drop one of them")

@@ -24,7 +24,8 @@ ROLE_OF_KEY: dict[str, Role] = {role.key or name: role for name, role in MATH.it
 
 def math_fingerprint(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     """The settings a snapshot must share with the run that resumes it: every math setting in play
-    under ``cfg`` (``unless``), as its role reads it, but those at their ``omitted_at``."""
+    under ``cfg`` (``unless``), as its role reads it, but those at their ``omitted_at``.
+    ``world_size``: the data-parallel ranks (RunConfig.data_ranks: the world, or its --tp groups)."""
     values: dict[str, Any] = {}
     for name, role in MATH.items():
         if not role.in_play(cfg):

@@ -126,18 +126,24 @@ class RunConfig:
                       else getattr(self, k)) for k in GLOBAL_DEFAULTS}
         return self.replace(**filled)
 
-    def global_batch(self, world_size: int) -> int:
-        """Samples per optimizer step over every rank: batch x ranks x accumulation (x replica
-        groups under --fault-tolerance torchft, ``world_size`` being one group's)."""
-        return global_batch(self.training, world_size, self.resilience.replica_groups)
+    def global_batch(self, ranks: int) -> int:
+        """Samples per optimizer step over every rank: batch x ``ranks`` (the data-parallel ones:
+        ``data_ranks``) x accumulation (x replica groups under --fault-tolerance torchft, ``ranks``
+        being one group's)."""
+        return global_batch(self.training, ranks, self.resilience.replica_groups)
+
+    def data_ranks(self, world_size: int) -> int:
+        """The ranks the data is split over: the world, or its --tp groups (a group's ranks see the
+        same samples). The global batch and the fingerprint count these."""
+        return world_size // self.parallel.tp
 
     def with_run_dir(self) -> RunConfig:
         """This config with its run dir resolved: the given one, else ``default_run_dir``."""
         return self if self.run_dir else self.replace(run_dir=fingerprint.default_run_dir(self))
 
-    def math_fingerprint(self, world_size: int) -> dict[str, Any]:
+    def math_fingerprint(self, ranks: int) -> dict[str, Any]:
         """The settings a snapshot must share with the run that resumes it (fingerprint.py)."""
-        return fingerprint.math_fingerprint(self, world_size)
+        return fingerprint.math_fingerprint(self, ranks)
 
     def identity(self) -> dict[str, Any]:
         """The settings that say which run this is (fingerprint.py): the default run dir is named after them."""

@@ -180,15 +180,19 @@ def resumed_config(start: Snapshot | None, cfg: RunConfig, world_size: int,
     keeps the snapshot's global batch (and so the sample order); then the math settings checked."""
     if start is None:
         return cfg
-    if start.state["world_size"] != world_size:
-        batch = adapt_batch(start.state["global_batch"], world_size, cfg.grad_accum)
+    saved_ranks = start.state.get("data_world", start.state["world_size"])  # (before --tp: the world)
+    ranks = cfg.data_ranks(world_size)  # the data-parallel ranks the global batch is shared over
+    if saved_ranks != ranks:
+        batch = adapt_batch(start.state["global_batch"], ranks, cfg.grad_accum)
         # one line per membership change (an elastic job shrinking or growing says it here)
-        info(f"world size {start.state['world_size']} → {world_size} at step {start.global_step}: batch size "
+        what = "world size" if saved_ranks == start.state["world_size"] and ranks == world_size else \
+            "data-parallel ranks"
+        info(f"{what} {saved_ranks} → {ranks} at step {start.global_step}: batch size "
              f"per rank {batch} keeps the global batch {start.state['global_batch']}")
         cfg = cfg.replace(batch_size=batch)
     resumable = cfg.task_options_resumable()  # (the task's word: changing them changes no weight)
     saved = without_resumable(start.state["fingerprint"], resumable)
-    current = without_resumable(cfg.math_fingerprint(world_size), resumable)
+    current = without_resumable(cfg.math_fingerprint(ranks), resumable)
     if task_schedule is not None and TASK_SCHEDULE_LENGTH in saved:  # (older snapshots do not hold it)
         current[TASK_SCHEDULE_LENGTH] = task_schedule_length(cfg)
         if _task_schedule_goes_on(saved, current, task_schedule, start, info):

@@ -69,6 +69,11 @@ class Task:
         "one by one (default: the members of the model's largest ModuleList or Sequential)", default=None)
     tokens_per_sample: int | None = _about("tokens in one sample (a language model's sequence length): tokens/s "
                                            "in the records", default=None)
+    tp_plan: dict[str, str] | None = _about(
+        "--tp: the layers a tensor-parallel group splits, {module-name pattern: 'colwise' | 'rowwise'} (fnmatch "
+        "patterns such as 'blocks.*.attn.q'; torchtitan's and Hugging Face's tp plans name them so): a colwise "
+        "Linear splits its output features, a rowwise one its input features and sums its output; the modules "
+        "between them must work on their share (attention on its share of the heads)", default=None)
     step_figures: dict[str, str] = _about(
         "figures step_fn returns beside its loss, {name: 'mean' | 'sum' | 'max'}: step_fn then returns {'loss': "
         "loss, name: value, ...}, and each step record holds the value combined over the ranks and the record's "

@@ -1,0 +1,67 @@
+"""--tp's pure parts, in this process: a task's plan resolved against its model, and the settings
+--tp refuses, one line each (the runs themselves: tests/integration/test_parallel_tp.py)."""
+
+from __future__ import annotations
+
+import pytest
+from block_tasks import Model
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from tp_tasks import PLAN
+
+from ddptrain import ConfigError, RunConfig
+from ddptrain.parallel.tensor_parallel import resolve_plan
+from ddptrain.settings.checks import validate
+
+
+def test_a_plan_of_patterns_names_each_layer_of_every_block():
+    plan = resolve_plan(Model(), PLAN, 2)
+    layers = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.up", "mlp.down")
+    expected = {f"blocks.{i}.{layer}" for i in (0, 1) for layer in layers} | {"blocks.0.mlp.gate"}  # (1 has none)
+    assert set(plan) == expected
+    assert isinstance(plan["blocks.1.attn.q"], ColwiseParallel)
+    assert isinstance(plan["blocks.0.mlp.down"], RowwiseParallel)
+
+
+@pytest.mark.parametrize("patterns,tp,words", [
+    ({"blocks.*.attn.q": "sequence_parallel"}, 2, "style 'sequence_parallel' is not one ddptrain splits (yet)"),
+    ({"blocks.*.atn.q": "colwise"}, 2, "Task.tp_plan['blocks.*.atn.q'] names no module of the model (its modules: "
+                                       "blocks, blocks.0, blocks.0.norm1"),
+    ({"blocks.*.attn": "colwise"}, 2, "blocks.0.attn is a Attention; a colwise split takes a Linear or an Embedding"),
+    ({"blocks.*.mlp.down": "rowwise"}, 3, "--tp 3: blocks.0.mlp.down's in_features (64) does not divide into 3 parts"),
+])
+def test_a_plan_that_cannot_split_the_model_is_one_line(patterns, tp, words):
+    with pytest.raises(ConfigError) as raised:
+        resolve_plan(Model(), patterns, tp)
+    assert words in str(raised.value) and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("settings,words", [
+    ({"tp": 0}, "--tp must be at least 1, got 0"),
+    ({"tp": 2}, "--tp 2 composes tensor parallelism with --strategy fsdp (this run's is ddp"),
+    ({"tp": 2, "strategy": "hsdp"}, "(this run's is hsdp; ddp and hsdp with --tp: not yet); pass --strategy fsdp"),
+    ({"tp": 2, "strategy": "fsdp", "ema": 0.99}, "--tp 2 with --ema 0.99: not built yet"),
+    ({"tp": 2, "strategy": "fsdp", "compile": True}, "--tp 2 with --compile: not built yet"),
+    ({"tp": 2, "strategy": "fsdp", "activation_checkpointing": True}, "with --activation-checkpointing: not built"),
+])
+def test_settings_tp_does_not_take_yet_are_refused_in_one_line(settings, words):
+    with pytest.raises(ConfigError) as raised:
+        validate(RunConfig(**settings))
+    assert words in str(raised.value), str(raised.value)
+
+
+def test_the_global_batch_counts_the_data_parallel_ranks():
+    """4 ranks in groups of 2 are 2 data-parallel ranks: batch 8 x 2 x accumulation 2; the
+    fingerprint counts those (--tp itself is a layout: a resume may change it, the batch adapted)."""
+    cfg = RunConfig(tp=2, strategy="fsdp", batch_size=8, grad_accum=2)
+    assert cfg.data_ranks(4) == 2 and cfg.global_batch(cfg.data_ranks(4)) == 32
+    assert RunConfig(strategy="fsdp", batch_size=8, grad_accum=2).global_batch(4) == 64
+
+
+def test_a_plan_of_tensor_parallelism_is_refused_in_one_line(capsys):
+    """ddptrain plan does not model TP's memory and collectives yet: it says so, never a wrong plan."""
+    from ddptrain.cli import main
+
+    assert main(["plan", "--task", "regression", "--world-size", "8", "--strategy", "fsdp", "--tp", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ddptrain: error: --tp 2: ddptrain plan does not plan tensor parallelism yet")
+    assert "\n" not in err
