@@ -40,7 +40,7 @@ def gather_0_6(world_size: int) -> None:
     """0.6's snapshots/rng.gather_rng_states, with each received buffer filled as a peer's would be."""
     import torch.distributed as dist
 
-    from ddptrain.snapshots.rng import capture_rng
+    from ddptrain.random_states import capture_rng
 
     payload = pickle.dumps(capture_rng())
     buffer = torch.zeros(RNG_CAPACITY, dtype=torch.uint8)

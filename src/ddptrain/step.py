@@ -70,6 +70,7 @@ class OptimizerStep:
     figures: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # the last step's task figures
     loss_checked: bool = False  # the first loss's type and shape are checked once
     gradients_checked: bool = False  # the strategy checks the first step's gradients (DDP: unused parameters)
+    buckets_settled: bool = False  # this process's DDP buckets are laid out as the run's (_settle_buckets)
 
     def run(self, group: list[tuple[Any, MicroBatch]], step: int) -> tuple[torch.Tensor | None, int]:
         """Global step ``step`` over ``group``. Returns this rank's part of the step's mean loss
@@ -86,6 +87,8 @@ class OptimizerStep:
         self.optimizer.zero_grad(set_to_none=True)
         self.watchdog.phase(f"step {step}")
         share_buffers(self.strategy, self.module, self.watchdog, step)
+        if not self.buckets_settled:
+            self._settle_buckets(group, step)
         with self.flops.first_step():  # FlopCounterMode around the first step's work, once
             total, count = self._forward_backward(group, step)
         planned = group[0][1].step_samples
@@ -135,7 +138,7 @@ class OptimizerStep:
             # One gradient sync per step: DDP decides in the forward whether the backward reduces,
             # FSDP in the backward's hooks, so no_sync holds both for every micro-batch but the last.
             sync = contextlib.nullcontext() if last else self.strategy.no_sync(self.model)
-            kept = contextlib.nullcontext() if micro.samples else leaves_no_trace(self.module, self.ctx.device)
+            kept = contextlib.nullcontext() if micro.samples else leaves_no_trace(self.module)
             with sync:
                 with kept, self.strategy.autocast():
                     if self.strategy.forward_syncs:
@@ -157,6 +160,25 @@ class OptimizerStep:
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None, "a step has at least one micro-batch"
         return total, count
+
+    def _settle_buckets(self, group: list[tuple[Any, MicroBatch]], step: int) -> None:
+        """DDP reduces a process's first backward in buckets of the parameters in reverse order, and
+        every later one in buckets rebuilt in the order their gradients became ready; past two ranks,
+        how a gradient's sum over them rounds depends on where it lies in its bucket. So a process
+        restarted at step N would take step N in the first layout, where the run it continues took
+        it in the rebuilt one (1e-8 apart on a transformer block's gradients, 4 ranks). Its first
+        backward is therefore one more of this step's last micro-batch, weighted zero and leaving no
+        trace (buffers, random streams and gradients as they were): DDP rebuilds after it, as the
+        uninterrupted run did after its step 1."""
+        self.buckets_settled = True
+        if step == 1 or not self.strategy.rebuilds_buckets:
+            return
+        batch, _ = group[-1]
+        with leaves_no_trace(self.module), self.strategy.autocast():
+            loss, _, _ = self._loss(batch, step)
+        with self.watchdog.waiting(GRADIENT_SYNC, step, timed=False):
+            (loss * 0.0).backward()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _divide_by_count(self, local_sum: torch.Tensor, local_count: Any, step: int) -> torch.Tensor:
         """``step_fn`` returned ``(sum, count)``: scale the gradients (averaged over the ranks by

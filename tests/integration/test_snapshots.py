@@ -414,13 +414,18 @@ def test_each_rank_s_random_states_come_back_from_its_own_part_bitwise(tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_transformer_shaped_model_killed_and_restarted_ends_bitwise(tmp_path, strategy):
-    """The first step a process runs is counted under torch's FlopCounterMode, which changes the
-    rounding of this model's gradients (its blocks' residual branches). A restarted rank counted
-    again on its first step, so the resumed run took that step unlike the uninterrupted one (1e-8
-    apart by step 30, then more): the count is now in each rank's part of the snapshot."""
-    options = {"strategy": strategy, "batch_size": 8, "max_epochs": 1, "save_every": 10, "optimizer": "sgd"}
+@pytest.mark.parametrize("strategy,ranks", [("ddp", 4), ("fsdp", 2)])
+def test_a_transformer_shaped_model_killed_and_restarted_ends_bitwise(tmp_path, strategy, ranks):
+    """Two ways a restarted process took its first step unlike the run it continues, on this
+    model (its blocks' residual branches sum gradients), each 1e-8 apart by step 30:
+    - it counted that step's FLOPs under torch's FlopCounterMode, which changes the rounding of
+      the gradients: the count is now in each rank's part of the snapshot;
+    - DDP reduced it in its first bucket layout, where the uninterrupted run used the layout
+      rebuilt after its step 1; past two ranks a sum's rounding depends on the layout (4 ranks
+      here): a restarted process's DDP settles its buckets first (step.py's _settle_buckets).
+    The same global batch (16) on either world: 38 steps an epoch, killed at step 24."""
+    options = {"strategy": strategy, "nproc": ranks, "batch_size": 16 // ranks, "max_epochs": 1, "save_every": 10,
+               "optimizer": "sgd"}
     fit("block_tasks:blocks", tmp_path / "whole", **options)
     env = {**_kill_env(tmp_path, 1, 24), "KILL_ONCE_SAVED": str(tmp_path / "killed-run" / "snapshots")}
     fit("block_tasks:killable_blocks", tmp_path / "killed-run", env=env, max_restarts=3, **options)

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ..comm import DistContext, local_tensors
 from ..errors import ConfigError
+from ..random_states import capture_rng, restore_rng
 from ..settings import ParallelSettings
 from ..tasks.protocol import Task
 from .averaging import WeightAverage
@@ -56,19 +57,20 @@ def checkpoint_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> 
 
 
 @contextlib.contextmanager
-def leaves_no_trace(module: torch.nn.Module, device: torch.device) -> Iterator[None]:
-    """A stand-in micro-batch (weight 0, see data/) trains nothing, and must change nothing else
-    either: buffers (BatchNorm's running statistics) as they were before it, and the random
-    streams too (dropout draws as many numbers as the stand-in's shape asks for, and a resumed
-    rank's stand-in may come from another rank, of another shape)."""
-    saved = [b.detach().clone() for b in module.buffers()]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buffer, value in zip(module.buffers(), saved):
-                    buffer.copy_(value)
+def leaves_no_trace(module: torch.nn.Module) -> Iterator[None]:
+    """Work that trains nothing must change nothing else either: buffers (BatchNorm's running
+    statistics) as they were before it, and every random stream (torch's, CUDA's, Python's and
+    numpy's, which dropout and a task's own noise draw from). For a stand-in micro-batch (weight 0,
+    see data/), whose shape may be another rank's on a resume, and a restarted DDP process's
+    settling backward (step.py), which the run it continues never ran."""
+    saved, generators = [b.detach().clone() for b in module.buffers()], capture_rng()
+    try:
+        yield
+    finally:
+        restore_rng(generators)
+        with torch.no_grad():
+            for buffer, value in zip(module.buffers(), saved):
+                buffer.copy_(value)
 
 
 def convert_sync_batchnorm(module: torch.nn.Module) -> torch.nn.Module:
@@ -128,6 +130,7 @@ class Strategy:
         self.counts_gradients = ctx.is_main
         self.forward_syncs = False  # whether the forward pass itself holds a collective
         self.shares_buffers = False  # the model has buffers and other ranks to share them with
+        self.rebuilds_buckets = False  # DDP lays its gradient buckets out anew after a process's first backward
         if parallel.lean_cpu_memory and ctx.device.type == "cpu":
             return_large_buffers_to_os()
 

@@ -51,6 +51,8 @@ class DDPStrategy(Strategy):
         )
         register_comm_hook(ddp, self.parallel.comm_hook)
         self.needs_every_gradient = not (self.parallel.find_unused_parameters or self.parallel.static_graph)
+        # (torch keeps the first layout for good when it looks for unused parameters: no rebuild)
+        self.rebuilds_buckets = not self.parallel.find_unused_parameters
         return ddp
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:

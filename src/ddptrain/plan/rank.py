@@ -35,9 +35,9 @@ from ..observe.throughput import FlopCount
 from ..optim import build_optimizer, build_schedule, run_steps
 from ..parallel import make_strategy
 from ..parallel.base import Strategy, find_blocks
+from ..random_states import capture_rng
 from ..resilience.guard import NonFiniteGuard
 from ..settings import RunConfig
-from ..snapshots.rng import capture_rng
 from ..step import OptimizerStep
 from ..tasks.protocol import Task
 from . import snapshot_size
@@ -114,7 +114,7 @@ def measure_rank(cfg: RunConfig, factory: Any, ctx: DistContext, steps: int = 2,
     run = _Run(cfg, factory, ctx, steps, fake, device)
     doing("measuring what it holds and writes")
     module, optimizer, strategy = run.module, run.step.optimizer, run.strategy
-    generators = serialised(capture_rng())  # (snapshots/rng.py)
+    generators = serialised(capture_rng())  # (random_states.py)
     saved = saved_state(strategy, module, optimizer)
     whole, metadata = snapshot_size.whole(saved, strategy)
     figures = RankFigures(

@@ -24,10 +24,11 @@ import torch.distributed as dist
 from ..comm import CollectiveMarks, DistContext
 from ..console import say
 from ..progress import best_interval_s
+from ..random_states import capture_rng, restore_rng
 from ..run_dir import RunDir
 from ..settings import SnapshotSettings
 from . import dcp as snapshot_dcp
-from . import files, rank_parts, rng
+from . import files, rank_parts
 from .restore import Snapshot
 
 MAX_SNAPSHOT_SHARE = 0.02  # of training time, at most, spent on the training path saving
@@ -155,7 +156,7 @@ class Checkpointer:
             part = part_of(saved_by()) if saved_by is not None and same_world else mine
             stateful.load_state_dict(part.get(name) if part else None, saved_world)
         if same_world and mine is not None:
-            rng.restore_rng(mine["rng"])
+            restore_rng(mine["rng"])
         elif same_world:
             say(f"ddptrain: warning: snapshot {start.path} has no readable part for rank {self.ctx.rank} (its "
                 f"random states, in {rank_parts.parts_folder(start.path).name}/): its random draws from here are not "
@@ -263,7 +264,7 @@ class Checkpointer:
         """This rank's part of the snapshot (rank_parts.py), on disk before the collective that follows:
         every rank's is, before rank 0 commits the snapshot. A rank on another machine than rank
         0's, of a run dir on a store, uploads its own."""
-        part = {"rng": rng.capture_rng(), **{name: s.state_dict() for name, s in self.per_rank.items()}}
+        part = {"rng": capture_rng(), **{name: s.state_dict() for name, s in self.per_rank.items()}}
         written = rank_parts.write_part(self.dir, global_step, self.sharded, self.ctx.rank, self.ctx.world_size, part)
         if self.part_uploads is not None:
             self.part_uploads.add_part(files.snapshot_name(global_step), [(written, f"ranks/{written.name}")])

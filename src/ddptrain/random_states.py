@@ -1,6 +1,7 @@
-"""A rank's random states: captured into its part of each snapshot (rank_parts.py) and restored
-on resume, so the steps after a resume draw what they would have drawn (dropout, augmentation,
-shuffles)."""
+"""A rank's random states (torch's, CUDA's, Python's and numpy's): captured into its part of each
+snapshot (snapshots/rank_parts.py) and restored on resume, so the steps after a resume draw what
+they would have drawn (dropout, augmentation, shuffles); and around work that must leave no trace
+(parallel/base.leaves_no_trace)."""
 
 from __future__ import annotations
 
