@@ -19,6 +19,8 @@ What a hand-written loop pays per optimizer step of K micro-batches:
   ``set_requires_gradient_sync(False)`` holds back both. On 2 ranks each group is one rank,
   whose parameters need no gathering: one all-reduce a step is all. (Measured too: ``fully_shard``
   on a 2x2 and a 2x1 ``init_device_mesh``, spawned, profiled the same way.)
+- TP x FSDP (``--tp 2`` on a 2x2 mesh): the hand-written loop is a script run beside it
+  (tests/helpers/hand_written_tp.py), and the counts are compared with its, not written here.
 ddptrain's extras (README "What a step costs"): an iterable training set adds one all-reduce
 of 1 number (the step's sample count, overlapped with the backward); ``--skip-nonfinite`` one
 all-reduce of 1 number (every rank's verdict); the step records (``--log-every N``) one
@@ -32,11 +34,12 @@ from __future__ import annotations
 
 import collections
 import math
+import sys
 
 import pytest
 
 from ddptrain.resilience.stop_signals import CHECK_SECONDS
-from helpers.commands import fit
+from helpers.commands import TESTS, assert_ok, clean_env, fit, run
 from helpers.costs import STOP_AGREEMENT, collectives_per_step, pop_step_records, step_seconds
 
 TASKS = "ddptrain_test_tasks:"
@@ -67,12 +70,35 @@ CASES = {  # id: (fit's options, the collectives of one step)
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_step_starts_the_collectives_a_hand_written_loop_does_and_no_more(tmp_path, case):
     options, per_step = CASES[case]
-    options = {"task": "regression", "batch_size": 8, "max_steps": 9, "profile": 7, "log_every": 5, **options}
+    options = {"task": "regression", "batch_size": 8, **options}
     task = options.pop("task")
-    fit(task, tmp_path, env={"STREAM_SAMPLES": "4000"}, **options)
-    steady = collectives_per_step(tmp_path)[2:]  # steps 4 to 8
-    assert len(steady) == 5
     figures = 2 + 3 + 2 if "figures" in task else 0  # mean, max (1 + 2 ranks), sum: figure_tasks.FIGURES
+    steady = _profiled_steps(task, tmp_path, figures, **options)
+    assert steady == [collections.Counter(per_step)] * 5, steady
+
+
+@pytest.mark.slow
+def test_a_tp_step_starts_the_collectives_a_hand_written_tp_loop_does_and_no_more(tmp_path):
+    """--tp 2 with fsdp on 4 ranks (a 2 x 2 mesh), 2 micro-batches a step: the same collectives
+    as tests/helpers/hand_written_tp.py, the same job written with torch's parallelize_module and
+    fully_shard by hand and profiled the same way, run here: the tensor-parallel all-reduces of
+    every micro-batch's forward and backward, FSDP's all-gathers, one reduce-scatter per unit."""
+    steady = _profiled_steps("tp_tasks:blocks", tmp_path / "ddptrain", strategy="fsdp", tp=2, nproc=4,
+                             batch_size=8, grad_accum=2)
+    reference = tmp_path / "hand-written"
+    assert_ok(run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                   str(TESTS / "helpers" / "hand_written_tp.py"), str(reference)], env=clean_env(OMP_NUM_THREADS="1")))
+    hand_written = collectives_per_step(reference)[2:]
+    assert len(hand_written) == 5 and hand_written[0] and all(step == hand_written[0] for step in hand_written)
+    assert steady == hand_written, (steady[0], hand_written[0])
+
+
+def _profiled_steps(task: str, run_dir, figures: int = 0, **options) -> list[collections.Counter]:
+    """The collectives of steps 4 to 8 of ``task`` run with ``options`` (rank 0's, from its
+    --profile trace), less the step records' (--log-every 5) and the stop agreement's."""
+    fit(task, run_dir, env={"STREAM_SAMPLES": "4000"}, max_steps=9, profile=7, log_every=5, **options)
+    steady = collectives_per_step(run_dir)[2:]  # steps 4 to 8
+    assert len(steady) == 5
     pop_step_records(steady, every=5, figures=figures)  # (beside the stop agreement only: none of a step's own)
     stops = sum(step.pop(STOP_AGREEMENT, 0) for step in steady)
     # The agreement is spaced by the steps' measured speed (CHECK_SECONDS of steps, measured over
@@ -81,8 +107,8 @@ def test_a_step_starts_the_collectives_a_hand_written_loop_does_and_no_more(tmp_
     # more where the interval in force as these 5 began was measured over slower steps before
     # them (4 ranks on 2 cores starting: 2 in 5 steps of up to 0.076 s, once in a fresh clone).
     # An agreement every step, the waste this guards against, is 5.
-    slowest = max(step_seconds(tmp_path))
+    slowest = max(step_seconds(run_dir))
     allowed = math.ceil(5 / max(1, int(CHECK_SECONDS / slowest)))
     assert stops <= max(1, allowed) + 1, (f"the stop agreement ran {stops} times in 5 steps of up to "
                                           f"{slowest:.3f} s (at most twice a second)")
-    assert steady == [collections.Counter(per_step)] * 5, steady
+    return steady

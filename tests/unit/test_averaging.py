@@ -73,3 +73,17 @@ def test_state_round_trips_and_a_snapshot_without_one_starts_at_the_loaded_weigh
     assert all(torch.equal(saved[k], v) for k, v in other.state_dict().items())
     other.load_state_dict(None, whole=True)  # resumed from a run without --ema
     assert all(torch.equal(v, dict(other.params)[k].detach()) for k, v in other.state_dict().items())
+
+
+def test_the_average_is_keyed_as_the_model_s_state_with_activation_checkpointing_or_without():
+    """--activation-checkpointing wraps each block (torch's checkpoint_wrapper), which renames its
+    parameters; the model's state dict leaves the wrapper's name out, and so must the average's,
+    or a run saved with it would not resume without it (found: DCP's "Missing key ... ema.")."""
+    from ddptrain.parallel.base import checkpoint_blocks
+
+    plain, wrapped = _model(), _model()
+    checkpoint_blocks(wrapped, [wrapped[0]])
+    assert any("_checkpoint_wrapped_module" in name for name, _ in wrapped.named_parameters())
+    keys = set(WeightAverage(wrapped, decay=0.9).state_dict())
+    assert keys == set(WeightAverage(plain, decay=0.9).state_dict()) == {"0.weight", "0.bias", "1.weight"}
+    assert keys <= set(wrapped.state_dict())

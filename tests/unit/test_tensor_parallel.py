@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 from block_tasks import Model
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from tp_tasks import PLAN
 
-from ddptrain import ConfigError, RunConfig
-from ddptrain.parallel.tensor_parallel import resolve_plan
+from ddptrain import ConfigError, RunConfig, Task
+from ddptrain.parallel.tensor_parallel import model_plan, resolve_plan
 from ddptrain.settings.checks import validate
 
 
@@ -20,6 +21,26 @@ def test_a_plan_of_patterns_names_each_layer_of_every_block():
     assert set(plan) == expected
     assert isinstance(plan["blocks.1.attn.q"], ColwiseParallel)
     assert isinstance(plan["blocks.0.mlp.down"], RowwiseParallel)
+
+
+def test_a_hugging_face_model_s_own_plan_is_taken_when_the_task_names_none():
+    """A Llama's tp_plan (its config's base_model_tp_plan under "model.", and its LM head's):
+    HF's colwise_gather_output for the head (the logits gathered whole) and embedding_rowwise for
+    the token embedding (split by vocabulary: its rows, the dimension checked)."""
+    from tp_tasks import llama_model
+
+    model = llama_model()
+    plan = model_plan(Task(model=model, train_set=[0], loss_fn=len), model)
+    assert plan is not None and plan["lm_head"] == "colwise_gather_output"
+    styles = resolve_plan(model, plan, 2)
+    head, embedding = styles["lm_head"], styles["model.embed_tokens"]
+    assert isinstance(head, ColwiseParallel) and head.output_layouts == (Replicate(),)
+    assert isinstance(embedding, RowwiseParallel) and embedding.input_layouts == (Replicate(),)
+    assert isinstance(styles["model.layers.1.self_attn.o_proj"], RowwiseParallel)
+    with pytest.raises(ConfigError, match=r"model.embed_tokens's num_embeddings \(64\) does not divide into 3"):
+        resolve_plan(model, {"model.embed_tokens": "embedding_rowwise"}, 3)
+    assert model_plan(Task(model=model, train_set=[0], loss_fn=len, tp_plan=PLAN), model) is PLAN
+    assert model_plan(Task(model=Model(), train_set=[0], loss_fn=len), Model()) is None
 
 
 @pytest.mark.parametrize("patterns,tp,words", [
@@ -39,9 +60,7 @@ def test_a_plan_that_cannot_split_the_model_is_one_line(patterns, tp, words):
     ({"tp": 0}, "--tp must be at least 1, got 0"),
     ({"tp": 2}, "--tp 2 composes tensor parallelism with --strategy fsdp (this run's is ddp"),
     ({"tp": 2, "strategy": "hsdp"}, "(this run's is hsdp; ddp and hsdp with --tp: not yet); pass --strategy fsdp"),
-    ({"tp": 2, "strategy": "fsdp", "ema": 0.99}, "--tp 2 with --ema 0.99: not built yet"),
     ({"tp": 2, "strategy": "fsdp", "compile": True}, "--tp 2 with --compile: not built yet"),
-    ({"tp": 2, "strategy": "fsdp", "activation_checkpointing": True}, "with --activation-checkpointing: not built"),
 ])
 def test_settings_tp_does_not_take_yet_are_refused_in_one_line(settings, words):
     with pytest.raises(ConfigError) as raised:

@@ -30,12 +30,23 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+# torch's checkpoint_wrapper (--activation-checkpointing) puts its module under this name; torch's
+# state-dict functions leave it out of the model's keys, and so does the average's state (a run
+# saved with activation checkpointing resumes without it, and back).
+CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
+
+
+def model_key(name: str) -> str:
+    """A parameter's name as the model's state dict names it."""
+    return name.replace(CHECKPOINT_WRAPPED, "")
+
+
 class WeightAverage:
     def __init__(self, module: torch.nn.Module, decay: float, every: int = 1) -> None:
         """``module``: the unwrapped model, after the strategy wrapped it (its parameters are
         then what the optimizer steps: DTensors under fsdp)."""
         self.decay, self.every = decay, every
-        self.params = {name: p for name, p in module.named_parameters() if p.requires_grad}
+        self.params = {model_key(name): p for name, p in module.named_parameters() if p.requires_grad}
         self.average = {name: p.detach().clone() for name, p in self.params.items()}
 
     @torch.no_grad()
@@ -87,6 +98,7 @@ class WeightAverage:
             return
         if not whole:
             return
+        state = {model_key(name): value for name, value in state.items()}  # (before 0.7: the wrapper's names)
         for name, average in self.average.items():
             saved = state[name].to(local(average).device)
             if isinstance(average, DTensor):  # this rank's shard of the whole tensor, sliced here

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from ..comm import DistContext
@@ -32,9 +32,14 @@ from ..settings import ParallelSettings
 from ..tasks.protocol import Task, is_metric_object
 from .fsdp import FSDPStrategy
 
-# Task.tp_plan's styles: the names Hugging Face's base_model_tp_plan and torchtitan use.
-STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-SPLIT = {"colwise": ("out_features", "num_embeddings"), "rowwise": ("in_features", "embedding_dim")}
+# Task.tp_plan's styles, named as Hugging Face's tp plans and torchtitan name them: whether the
+# layer is split column-wise (a Linear's output features, an Embedding's features) or row-wise (a
+# Linear's input features, an Embedding's rows: its vocabulary), and whether its output is gathered
+# whole (an LM head's logits, for a loss over the whole vocabulary).
+STYLES = {"colwise": ("colwise", False), "rowwise": ("rowwise", False),
+          "colwise_gather_output": ("colwise", True),  # HF's lm_head
+          "embedding_rowwise": ("rowwise", False)}  # HF's embed_tokens
+SPLIT = {"colwise": ("out_features", "embedding_dim"), "rowwise": ("in_features", "num_embeddings")}
 
 
 def resolve_plan(module: torch.nn.Module, patterns: Mapping[str, str], tp: int) -> dict[str, ParallelStyle]:
@@ -47,22 +52,39 @@ def resolve_plan(module: torch.nn.Module, patterns: Mapping[str, str], tp: int) 
     for pattern, style in patterns.items():
         if style not in STYLES:
             raise ConfigError(f"Task.tp_plan[{pattern!r}]: style {style!r} is not one ddptrain splits (yet); use "
-                              f"{' or '.join(STYLES)}")
+                              f"{', '.join(STYLES)}")
         matched = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
         if not matched:
             raise ConfigError(f"Task.tp_plan[{pattern!r}] names no module of the model (its modules: "
                               f"{', '.join(list(names)[:6])}{' ...' if len(names) > 6 else ''})")
         for name in matched:
             _check_splits(name, names[name], style, tp)
-            plan[name] = STYLES[style]()
+            plan[name] = _style(style, names[name])
     return plan
+
+
+def _style(style: str, part: torch.nn.Module) -> ParallelStyle:
+    split, gathered = STYLES[style]
+    if split == "colwise":
+        return ColwiseParallel(output_layouts=Replicate()) if gathered else ColwiseParallel()
+    # a row-wise Embedding's input is the whole batch of token ids (torch's default: a share of features)
+    return RowwiseParallel(input_layouts=Replicate()) if isinstance(part, torch.nn.Embedding) else RowwiseParallel()
+
+
+def model_plan(task: Task, module: torch.nn.Module) -> Mapping[str, str] | None:
+    """The task's plan, else the model's own (a Hugging Face model's ``tp_plan``: its config's
+    ``base_model_tp_plan`` under the base model's prefix, and its LM head's), else None."""
+    if task.tp_plan:
+        return task.tp_plan
+    own = getattr(module, "tp_plan", None)
+    return own if isinstance(own, Mapping) and own else None
 
 
 def _check_splits(name: str, part: torch.nn.Module, style: str, tp: int) -> None:
     if not isinstance(part, (torch.nn.Linear, torch.nn.Embedding)):
         raise ConfigError(f"Task.tp_plan: {name} is a {type(part).__name__}; a {style} split takes a Linear or an "
                           "Embedding (name the layers inside it)")
-    attribute = SPLIT[style][0 if isinstance(part, torch.nn.Linear) else 1]
+    attribute = SPLIT[STYLES[style][0]][0 if isinstance(part, torch.nn.Linear) else 1]
     size = getattr(part, attribute)
     if size % tp:
         raise ConfigError(f"--tp {tp}: {name}'s {attribute} ({size}) does not divide into {tp} parts; use a --tp "
@@ -102,15 +124,17 @@ class TensorParallelStrategy(FSDPStrategy):
         return self.grid["dp"]
 
     def wrap(self, module: torch.nn.Module, task: Task) -> torch.nn.Module:
-        if not task.tp_plan:
+        plan = model_plan(task, module)
+        if plan is None:
             raise ConfigError(f"--tp {self.tp}: the task names no layers to split (Task.tp_plan: module-name patterns "
-                              "to 'colwise' or 'rowwise'); give one, or drop --tp")
+                              "to 'colwise' or 'rowwise'), nor has the model a plan of its own (a Hugging Face "
+                              "model's tp_plan); give one, or drop --tp")
         objects = [name for name, metric in task.metrics.items() if is_metric_object(metric)]
         if objects:  # (their states sync over every rank: a group's ranks would count each sample N times)
             raise ConfigError(f"--tp {self.tp}: Task.metrics[{objects[0]!r}] is a metric object, which --tp does "
                               "not count once per sample yet; return its figure from eval_fn as a sum, or drop --tp")
         module.to(self.ctx.device)
-        parallelize_module(module, self.grid["tp"], resolve_plan(module, task.tp_plan, self.tp))
+        parallelize_module(module, self.grid["tp"], resolve_plan(module, plan, self.tp))
         return super().wrap(module, task)
 
     def data_context(self, ctx: DistContext) -> DistContext:
@@ -140,9 +164,14 @@ class TensorParallelStrategy(FSDPStrategy):
         counted = []
         for grad in grads:
             assert isinstance(grad, DTensor), "every gradient of a --tp run is a DTensor"
-            coordinate = list(grad.device_mesh.get_coordinate() or ())
-            split = grad.device_mesh.mesh_dim_names == ("dp", "tp")
-            if (split or self.counts_data) and all(c == 0 for c, p in zip(coordinate, grad.placements)
-                                                   if isinstance(p, Replicate)):
+            if self._counts(grad.device_mesh, grad.placements):
                 counted.append(grad.to_local())
         return counted
+
+    @functools.cache  # noqa: B019 (a few layouts per run; the strategy lives as long as the run)
+    def _counts(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> bool:
+        """Whether this rank counts a shard laid out so: asked once per layout, not per gradient and step."""
+        coordinate = list(mesh.get_coordinate() or ())
+        split = mesh.mesh_dim_names == ("dp", "tp")
+        return (split or self.counts_data) and all(c == 0 for c, p in zip(coordinate, placements)
+                                                   if isinstance(p, Replicate))

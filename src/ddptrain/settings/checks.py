@@ -213,7 +213,6 @@ def _check_tensor_parallel(cfg: RunConfig) -> None:
                           f"{cfg.strategy}; ddp and hsdp with --tp: not yet); pass --strategy fsdp")
     not_yet = [flag for flag, used in (
         ("--fault-tolerance torchft", cfg.fault_tolerance == "torchft"),
-        (f"--sync {cfg.sync}", cfg.sync != "every-step"), ("--compile", cfg.compile),
-        ("--activation-checkpointing", cfg.activation_checkpointing), (f"--ema {cfg.ema:g}", cfg.ema > 0)) if used]
+        (f"--sync {cfg.sync}", cfg.sync != "every-step"), ("--compile", cfg.compile)) if used]
     if not_yet:
         raise ConfigError(f"--tp {cfg.tp} with {not_yet[0]}: not built yet (docs/tensor-parallel.md); drop one of them")

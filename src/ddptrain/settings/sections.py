@@ -149,8 +149,9 @@ class ParallelSettings(Section):
                                    # the meetings' average), not of every-step hsdp (its layout alone)
                                    role=math(unless=EVERY_STEP, since="0.5"))
     tp: int = setting("tensor parallelism with --strategy fsdp: groups of N consecutive ranks split the layers "
-                      "the task's Task.tp_plan names, each group one data-parallel rank (the batch splits over "
-                      "the world / N groups, FSDP2 shards across them: docs/tensor-parallel.md)", default=1,
+                      "the task's Task.tp_plan names (or a Hugging Face model's own tp_plan), each group one "
+                      "data-parallel rank (the batch splits over the world / N groups, FSDP2 shards across them: "
+                      "docs/tensor-parallel.md)", default=1,
                       role=identity())
     reshard_after_forward: bool = setting("fsdp: free gathered parameters after the forward pass "
                                           "(less memory, one more all-gather in backward)", default=True,

@@ -73,7 +73,9 @@ class Task:
         "--tp: the layers a tensor-parallel group splits, {module-name pattern: 'colwise' | 'rowwise'} (fnmatch "
         "patterns such as 'blocks.*.attn.q'; torchtitan's and Hugging Face's tp plans name them so): a colwise "
         "Linear splits its output features, a rowwise one its input features and sums its output; the modules "
-        "between them must work on their share (attention on its share of the heads)", default=None)
+        "between them must work on their share (attention on its share of the heads); also Hugging Face's "
+        "'colwise_gather_output' (an LM head whose logits are gathered whole) and 'embedding_rowwise' (an "
+        "Embedding split by vocabulary). None: a Hugging Face model's own tp_plan, when it has one", default=None)
     step_figures: dict[str, str] = _about(
         "figures step_fn returns beside its loss, {name: 'mean' | 'sum' | 'max'}: step_fn then returns {'loss': "
         "loss, name: value, ...}, and each step record holds the value combined over the ranks and the record's "
