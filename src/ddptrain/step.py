@@ -168,16 +168,17 @@ class OptimizerStep:
         restarted at step N would take step N in the first layout, where the run it continues took
         it in the rebuilt one (1e-8 apart on a transformer block's gradients, 4 ranks). Its first
         backward is therefore one more of this step's last micro-batch, weighted zero and leaving no
-        trace (buffers, random streams and gradients as they were): DDP rebuilds after it, as the
-        uninterrupted run did after its step 1."""
+        trace (buffers, random streams and gradients as they were; the task's step_fn is called
+        once more): DDP rebuilds after it, as the uninterrupted run did after its step 1."""
         self.buckets_settled = True
-        if step == 1 or not self.strategy.rebuilds_buckets:
+        if step == 1 or not self.strategy.settles_buckets:
             return
         batch, _ = group[-1]
-        with leaves_no_trace(self.module), self.strategy.autocast():
-            loss, _, _ = self._loss(batch, step)
-        with self.watchdog.waiting(GRADIENT_SYNC, step, timed=False):
-            (loss * 0.0).backward()
+        with leaves_no_trace(self.module):  # (buffers restored after the backward, which may read them)
+            with self.strategy.autocast():
+                loss, _, _ = self._loss(batch, step)
+            with self.watchdog.waiting(GRADIENT_SYNC, step, timed=False):
+                (loss * 0.0).backward()
         self.optimizer.zero_grad(set_to_none=True)
 
     def _divide_by_count(self, local_sum: torch.Tensor, local_count: Any, step: int) -> torch.Tensor:

@@ -130,7 +130,7 @@ class Strategy:
         self.counts_gradients = ctx.is_main
         self.forward_syncs = False  # whether the forward pass itself holds a collective
         self.shares_buffers = False  # the model has buffers and other ranks to share them with
-        self.rebuilds_buckets = False  # DDP lays its gradient buckets out anew after a process's first backward
+        self.settles_buckets = False  # a restarted process's first backward lays out DDP's buckets (step.py)
         if parallel.lean_cpu_memory and ctx.device.type == "cpu":
             return_large_buffers_to_os()
 

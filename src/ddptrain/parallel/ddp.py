@@ -51,8 +51,10 @@ class DDPStrategy(Strategy):
         )
         register_comm_hook(ddp, self.parallel.comm_hook)
         self.needs_every_gradient = not (self.parallel.find_unused_parameters or self.parallel.static_graph)
-        # (torch keeps the first layout for good when it looks for unused parameters: no rebuild)
-        self.rebuilds_buckets = not self.parallel.find_unused_parameters
+        # A sum of two rounds the same in either order: the layout matters past 2 ranks only. (torch
+        # keeps the first layout for good when it looks for unused parameters: no rebuild.)
+        ranks = self.ctx.world_size if self.replica_mesh is None else self.replica_mesh.size
+        self.settles_buckets = ranks > 2 and not self.parallel.find_unused_parameters
         return ddp
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
