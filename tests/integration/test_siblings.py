@@ -66,7 +66,9 @@ def test_a_sibling_sigkilled_ends_the_rank_within_seconds_with_a_report(tmp_path
         os.kill(rank1, signal.SIGKILL)
         killed = time.monotonic()
         assert _line(launcher) == "1"  # rank 0's exit status
-        assert time.monotonic() - killed < 5.0  # measured 0.1-0.2 s; 2.2 s beside two CPU hogs (it was 30 s)
+        # measured 0.1-0.2 s; 2.2 s beside two CPU hogs; 5.2 s once in the whole suite beside a hog (3
+        # test workers and their 4-rank jobs on 2 cores: rank 0's exit itself waits for a core). It was 30 s.
+        assert time.monotonic() - killed < 15.0
         report = json.loads((tmp_path / "pids" / "error-0.json").read_text())["message"]
         assert "PeerFailed: rank 1 of this replica group died" in json.dumps(report), report
     finally:
