@@ -12,7 +12,7 @@ Side by side, for the same rank in the same process:
   and the ranks meet in one barrier.
 
 Bytes are the collectives' payloads as each rank holds them (counted as the plan counts them:
-plan/rank.CollectiveCount): an all-gather of n bytes from each of W ranks delivers (W - 1) x n to
+plan/collectives.CollectiveCount): an all-gather of n bytes from each of W ranks delivers (W - 1) x n to
 each; a barrier carries no payload. CPU: this process's ``time.process_time`` over the snapshot,
 the median of ``--reps``.
 
@@ -96,8 +96,8 @@ def checkpointer_for(world_size: int, rank: int, folder: Path) -> Any:
 
 def measure(world_size: int, rank: int, reps: int) -> dict[str, Any]:
     """(In a fresh process.) Both versions' bytes and CPU time for one snapshot of rank ``rank``."""
+    from ddptrain.plan.collectives import CollectiveCount
     from ddptrain.plan.fake_group import as_rank
-    from ddptrain.plan.rank import CollectiveCount
 
     figures: dict[str, Any] = {"world": world_size, "rank": rank}
     with as_rank(rank, world_size), tempfile.TemporaryDirectory() as folder:
@@ -119,7 +119,7 @@ def measure(world_size: int, rank: int, reps: int) -> dict[str, Any]:
                     checkpointer.writer.wait()
                 times.append(time.process_time() - started)
             received = sent = 0
-            for (kind, elements, dtype), count in counted.found.items():
+            for (kind, elements, dtype, _), count in counted.found.items():
                 payload = elements * dtype.itemsize * count
                 if kind == "all_gather":  # (the first tensor of the output list: one rank's share)
                     sent, received = sent + payload, received + payload * (world_size - 1)
@@ -128,7 +128,7 @@ def measure(world_size: int, rank: int, reps: int) -> dict[str, Any]:
             parts = sorted(Path(folder, "snapshots").rglob(f"rank-{rank:05d}-*.pt"))
             figures[name] = {"sent": sent, "received": received, "cpu_s": statistics.median(times[1:]),
                              "collectives": {f"{kind}[{elements}]": count
-                                             for (kind, elements, _), count in counted.found.items()},
+                                             for (kind, elements, _, _), count in counted.found.items()},
                              "part_bytes": parts[-1].stat().st_size if parts and name == "0.7" else 0}
         checkpointer.close()
     return figures

@@ -332,9 +332,6 @@ def plan_command(args: argparse.Namespace) -> int:
     hw = Hardware(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware)})
     hw.check()
     cfg, factory = prepare(None, given_options(args), args.config)  # the same checks as train's
-    if cfg.tp > 1:
-        raise ConfigError(f"--tp {cfg.tp}: ddptrain plan does not plan tensor parallelism yet (its memory and "
-                          "collectives); plan the job without --tp, or try it on a few ranks with ddptrain train")
     fewest = steady_step(cfg.strategy) + 1
     steps = fewest if args.steps is None else args.steps
     if steps < fewest:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 # the c10d ops that are collectives, by kind: one table for ddptrain plan and these tests
-from ddptrain.plan.rank import KINDS
+from ddptrain.plan.collectives import C10D_KINDS as KINDS
 
 
 def _numel(dims) -> int:
@@ -61,3 +61,12 @@ def pop_step_records(steps: list[collections.Counter], every: int, figures: int 
         assert not records or STOP_AGREEMENT in step, f"a step record's all-reduce away from the stop agreement: {step}"
         found += records
     return found
+
+
+def by_kind_and_size(collectives: dict[str, dict]) -> collections.Counter:
+    """A plan's collectives (``RankFigures.collectives``) as this file reads a trace: by kind and
+    elements, whatever their group (the plan keys one not the world's with ``@size``)."""
+    counts: collections.Counter = collections.Counter()
+    for c in collectives.values():
+        counts[f"{c['kind']}[{c['elements']}]"] += c["count"]
+    return counts

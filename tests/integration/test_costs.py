@@ -33,14 +33,16 @@ inside an epoch's or a snapshot's reduction.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import math
+import multiprocessing
 import sys
 
 import pytest
 
 from ddptrain.resilience.stop_signals import CHECK_SECONDS
 from helpers.commands import TESTS, assert_ok, clean_env, fit, run
-from helpers.costs import STOP_AGREEMENT, collectives_per_step, pop_step_records, step_seconds
+from helpers.costs import STOP_AGREEMENT, by_kind_and_size, collectives_per_step, pop_step_records, step_seconds
 
 TASKS = "ddptrain_test_tasks:"
 GRADIENTS_DDP = {"all_reduce[21]": 1}  # one bucket of the 21 parameters
@@ -83,14 +85,27 @@ def test_a_tp_step_starts_the_collectives_a_hand_written_tp_loop_does_and_no_mor
     as tests/helpers/hand_written_tp.py, the same job written with torch's parallelize_module and
     fully_shard by hand and profiled the same way, run here: the tensor-parallel all-reduces of
     every micro-batch's forward and backward, FSDP's all-gathers, one reduce-scatter per unit."""
-    steady = _profiled_steps("tp_tasks:blocks", tmp_path / "ddptrain", strategy="fsdp", tp=2, nproc=4,
-                             batch_size=8, grad_accum=2)
+    options = {"strategy": "fsdp", "tp": 2, "batch_size": 8, "grad_accum": 2}
+    steady = _profiled_steps("tp_tasks:blocks", tmp_path / "ddptrain", nproc=4, **options)
     reference = tmp_path / "hand-written"
     assert_ok(run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                    str(TESTS / "helpers" / "hand_written_tp.py"), str(reference)], env=clean_env(OMP_NUM_THREADS="1")))
     hand_written = collectives_per_step(reference)[2:]
     assert len(hand_written) == 5 and hand_written[0] and all(step == hand_written[0] for step in hand_written)
     assert steady == hand_written, (steady[0], hand_written[0])
+    # and ddptrain plan's count of the same job's step, on the fake group (a fresh process: plan/job.py)
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as fresh:
+        planned = fresh.submit(_planned_step, {"task": "tp_tasks:blocks", **options}, 4).result()
+    assert planned == steady[0], (planned, steady[0])
+
+
+def _planned_step(options: dict, world: int) -> collections.Counter:
+    """(In a spawned process.) The collectives ddptrain plan counts in rank 0's step of ``options``."""
+    from ddptrain.api import prepare
+    from ddptrain.plan.rank import Target, plan_rank
+
+    cfg, factory = prepare(None, options)
+    return by_kind_and_size(plan_rank(cfg, factory, Target(world, world, "cpu"), 0, steps=1).collectives)
 
 
 def _profiled_steps(task: str, run_dir, figures: int = 0, **options) -> list[collections.Counter]:

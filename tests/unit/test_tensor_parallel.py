@@ -76,11 +76,14 @@ def test_the_global_batch_counts_the_data_parallel_ranks():
     assert RunConfig(strategy="fsdp", batch_size=8, grad_accum=2).global_batch(4) == 64
 
 
-def test_a_plan_of_tensor_parallelism_is_refused_in_one_line(capsys):
-    """ddptrain plan does not model TP's memory and collectives yet: it says so, never a wrong plan."""
-    from ddptrain.cli import main
+def test_a_plan_s_global_batch_counts_the_data_parallel_groups():
+    """ddptrain plan --global-batch under --tp: the batch per rank over the target's groups, not
+    its ranks (8 ranks in groups of 2: 4 x 16 = 64); one that does not divide says so in groups."""
+    from ddptrain.plan.job import with_global_batch
+    from ddptrain.plan.rank import Target
 
-    assert main(["plan", "--task", "regression", "--world-size", "8", "--strategy", "fsdp", "--tp", "2"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("ddptrain: error: --tp 2: ddptrain plan does not plan tensor parallelism yet")
-    assert "\n" not in err
+    cfg = RunConfig(tp=2, strategy="fsdp")
+    assert with_global_batch(cfg, Target(8, 8), 64).batch_size == 16
+    with pytest.raises(ConfigError, match=r"^--global-batch 66 does not divide over 4 data-parallel groups "
+                                          r"\(--tp 2\) x --grad-accum 1; choose a multiple of 4 \(e\.g\. 64\)"):
+        with_global_batch(cfg, Target(8, 8), 66)

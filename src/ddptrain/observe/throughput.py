@@ -76,14 +76,44 @@ class FlopCount:
         if self.per_step is not None:
             yield
             return
-        from torch.utils.flop_counter import FlopCounterMode
-
-        with FlopCounterMode(display=False, custom_mapping=_cpu_attention()) as mode, warnings.catch_warnings():
+        with _local_flop_counter() as mode, warnings.catch_warnings():
             # The counter tracks modules with global hooks for this one step; torch.compile, met
             # compiling its first forward here, warns that global hooks fire twice: not ours to fix.
             warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks")
             yield
         self.per_step = int(mode.get_total_flops())
+
+
+def _local_flop_counter() -> Any:
+    """torch's FlopCounterMode counting this rank's own FLOPs. A dispatch mode sees an op on
+    DTensors (--tp's split layers) before DTensor turns it into the op on this rank's parts, so
+    torch's counter counts the whole layer's arithmetic on every rank of its group (a 2-way
+    split model counted 97% of its unsplit FLOPs per rank). Each such op counts as the share of
+    it this rank computes: its most split input's (a column-wise layer's weight, a row-wise
+    layer's weight and input: 1/N of the layer's; replicated inputs: all of it)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class LocalFlopCounter(FlopCounterMode):
+        def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+            # (torch's own five lines, the count scaled)
+            if func_packet in self.flop_registry:
+                flops = self.flop_registry[func_packet](*args, **kwargs, out_val=out)
+                flops = round(flops * _local_share(args, kwargs))
+                for parent in set(self.mod_tracker.parents):
+                    self.flop_counts[parent][func_packet] += flops
+            return out
+
+    return LocalFlopCounter(display=False, custom_mapping=_cpu_attention())
+
+
+def _local_share(args: Any, kwargs: Any) -> float:
+    """The smallest share of a DTensor argument this rank holds (1: no DTensor among them)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
+
+    shares = [t.to_local().numel() / t.numel() for t in tree_leaves((args, kwargs))
+              if isinstance(t, DTensor) and t.numel()]
+    return min(shares, default=1.0)
 
 
 def _cpu_attention() -> dict[Any, Any]:

@@ -133,7 +133,8 @@ class TensorParallelStrategy(FSDPStrategy):
         if objects:  # (their states sync over every rank: a group's ranks would count each sample N times)
             raise ConfigError(f"--tp {self.tp}: Task.metrics[{objects[0]!r}] is a metric object, which --tp does "
                               "not count once per sample yet; return its figure from eval_fn as a sum, or drop --tp")
-        module.to(self.ctx.device)
+        if any(p.device != self.ctx.device for p in module.parameters()):  # (a plan's fake tensors cannot be
+            module.to(self.ctx.device)  # swapped for themselves: `ddptrain plan --fake-tensors`)
         parallelize_module(module, self.grid["tp"], resolve_plan(module, plan, self.tp))
         return super().wrap(module, task)
 

@@ -13,11 +13,7 @@ import contextlib
 import dataclasses
 from typing import Any, TextIO
 
-import torch
-
-from ..comm import DistContext
 from ..errors import ConfigError
-from ..parallel.base import replica_groups
 from ..settings import RunConfig
 from .estimate import (
     HEADROOM,
@@ -38,15 +34,18 @@ from .rank import RankFigures, Target, plan_rank
 
 
 def with_global_batch(cfg: RunConfig, target: Target, global_batch: int | None) -> RunConfig:
-    """``--global-batch``: the batch per rank that keeps it at the target's ranks and accumulation."""
+    """``--global-batch``: the batch per rank that keeps it at the target's ranks and accumulation
+    (its data-parallel ranks: under --tp, a tensor-parallel group counts once)."""
     if global_batch is None:
         return cfg
-    per_rank, rest = divmod(global_batch, target.world_size * cfg.grad_accum)
+    ranks = cfg.data_ranks(target.world_size)
+    per_rank, rest = divmod(global_batch, ranks * cfg.grad_accum)
     if rest or not per_rank:
-        unit = target.world_size * cfg.grad_accum
-        raise ConfigError(f"--global-batch {global_batch:,} does not divide over {target.world_size:,} ranks x "
-                          f"--grad-accum {cfg.grad_accum}; choose a multiple of {unit:,} (e.g. "
-                          f"{max(1, global_batch // unit) * unit:,}), or another --grad-accum")
+        unit = ranks * cfg.grad_accum
+        over, example = _data_ranks(cfg, target.world_size), max(1, global_batch // unit) * unit
+        raise ConfigError(f"--global-batch {global_batch:,} does not divide over {over} x --grad-accum "
+                          f"{cfg.grad_accum}; choose a multiple of {unit:,} (e.g. {example:,}), or another "
+                          "--grad-accum")
     return cfg.replace(batch_size=per_rank)
 
 
@@ -86,9 +85,8 @@ def make_plan(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], hw
                           "plan one group (its --world-size) without --fault-tolerance")
     steps = steps or steady_step(cfg.strategy) + 1
     figures = plan_ranks(cfg, factory, target, ranks, steps, fake, shown)
-    groups = _collective_groups(cfg, target)
     heaviest = max(figures, key=peak_bytes)
-    collectives = _timed([{**c, **groups(c)} for c in heaviest.collectives.values()], hw)
+    collectives = _timed(list(heaviest.collectives.values()), hw)  # (each over the group it was given)
     # the stop agreement and the step records' sum, every few steps (as many as the step's time makes)
     agree_every = steps_per_agreement(step_seconds(heaviest.flops_per_step, collectives, hw)["step_s_serial"])
     world, in_node = target.world_size, target.nnodes == 1
@@ -108,8 +106,9 @@ def make_plan(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], hw
     restart_s = plane["failure_to_exit_s"] + hw.start_seconds + snapshot["write_s"]
     return {
         "target": {"world_size": target.world_size, "nnodes": target.nnodes, "nproc_per_node": target.nproc_per_node,
-                   "device": target.device, "strategy": cfg.strategy, "batch_size": cfg.batch_size,
-                   "grad_accum": cfg.grad_accum, "global_batch": cfg.global_batch(target.world_size),
+                   "device": target.device, "strategy": cfg.strategy, "tp": cfg.tp, "batch_size": cfg.batch_size,
+                   "grad_accum": cfg.grad_accum, "data_ranks": cfg.data_ranks(target.world_size),
+                   "global_batch": cfg.global_batch(cfg.data_ranks(target.world_size)),
                    "steps_planned": max(f.steps_run for f in figures)},
         "hardware": dataclasses.asdict(hw),
         "ranks": [{**dataclasses.asdict(f), "peak_bytes": peak_bytes(f)} for f in figures],
@@ -152,8 +151,10 @@ def plan_ranks(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], s
     """Each chosen rank planned in a fresh process of its own (spawned), as many at once as there
     are cores. Fresh, because a planned rank leaves torch's process-wide state behind: a real FSDP
     job forked afterwards from a process that had planned one wrote a snapshot that DCP refused,
-    its ranks' shards overlapping (which of torch's caches keeps the fake world is not pinned
-    down; a DeviceMesh compares equal to another of the same shape whatever the rank). At once,
+    its ranks' shards overlapping; and a --tp rank planned after another in one process ran its
+    all-reduces on the first one's groups (DTensor's caches of sharding decisions hold a mesh,
+    and a DeviceMesh compares equal to another of the same shape whatever its rank and groups):
+    one rank a process, even where the ranks outnumber the cores. At once,
     because each is a whole model's steps: GPT-2's two ranks took 74 s one after the other here,
     on 2 cores, and 58 s side by side. ``shown``: where to say what each is doing, every few
     seconds (a terminal)."""
@@ -167,7 +168,7 @@ def plan_ranks(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], s
     spawn = multiprocessing.get_context("spawn")
     said = spawn.Queue() if shown is not None else None
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=spawn, initializer=_start_planner,
-                                                initargs=(threads, said)) as pool, \
+                                                initargs=(threads, said), max_tasks_per_child=1) as pool, \
             Progress(said, ranks, shown) if shown is not None else contextlib.nullcontext():
         return list(pool.map(plan_rank, *zip(*[(cfg, factory, target, rank, steps, fake) for rank in ranks])))
 
@@ -186,28 +187,6 @@ def peak_bytes(f: RankFigures) -> int:
     it holds, its activations and FSDP's gathered parameters fell short by what the step makes
     and drops: on the CPU's path, AdamW's temporaries alone were 48 MB of a 148 MB peak.)"""
     return int(f.allocated_peak_bytes * HEADROOM)
-
-
-def _collective_groups(cfg: RunConfig, target: Target) -> Any:
-    """Each collective's group size and whether it stays inside a node: hsdp gathers and
-    reduce-scatters inside a replica group and all-reduces across them; --sync's DDP all-reduces
-    inside a group; everything else spans the world."""
-    world, per_node = target.world_size, target.nproc_per_node
-    # the strategies' own rule (one group per node unless --replicas says), as a rank of the target sees it
-    replicas, inner = replica_groups(cfg.parallel, DistContext(0, world, 0, per_node, torch.device("cpu"), "fake"))
-
-    def group(collective: dict[str, Any]) -> dict[str, Any]:
-        size, consecutive = world, True
-        if cfg.strategy == "hsdp":
-            if collective["kind"] in ("all_gather", "reduce_scatter"):
-                size = inner
-            elif collective["elements"] > 1:  # the gradients' shards, across the groups
-                size, consecutive = replicas, replicas == 1
-        elif cfg.sync != "every-step" and collective["kind"] == "all_reduce" and collective["elements"] > 1:
-            size = inner
-        return {"group": size, "in_node": target.nnodes == 1 or (consecutive and size <= per_node)}
-
-    return group
 
 
 def _timed(collectives: list[dict[str, Any]], hw: Hardware) -> list[dict[str, Any]]:
@@ -234,15 +213,27 @@ def notes(cfg: RunConfig, target: Target, figures: list[RankFigures]) -> list[st
         found.append(f"training shares differ by up to {max(shares) - min(shares):,} samples an epoch (the epoch's "
                      "last step is short; each step is still the mean of what is in it)")
     idle = [f.rank for f in figures if f.eval_samples == 0]
+    ranks = _data_ranks(cfg, target.world_size)
     if idle:
         found.append(f"rank(s) {', '.join(map(str, idle))} hold no evaluation batch: the evaluation set has fewer "
-                     f"batches of {cfg.batch_size} than the {target.world_size:,} ranks (exact, but idle"
+                     f"batches of {cfg.batch_size} than the {ranks} (exact, but idle"
                      + (", running repeats to keep FSDP's all-gathers matched)" if cfg.strategy != "ddp" else ")"))
     if cfg.comm_hook == "powersgd":
         found.append("--comm-hook powersgd: counted as its warm-up's plain all-reduces (its first 10 steps)")
     if cfg.sync != "every-step":
         found.append(f"--sync {cfg.sync}: the meetings every --sync-every steps are not in the steps counted")
+    if cfg.tp > 1 and target.nproc_per_node % cfg.tp:
+        found.append(f"--tp {cfg.tp} does not divide --nproc-per-node {target.nproc_per_node}: some tensor-parallel "
+                     "groups span two nodes, and every layer's all-reduces cross the slower link (choose a --tp that "
+                     "divides the ranks of a node)")
     return found
+
+
+def _data_ranks(cfg: RunConfig, world_size: int) -> str:
+    """'1,024 ranks', or under --tp '512 data-parallel groups (--tp 2)': what the samples are shared over."""
+    if cfg.tp == 1:
+        return f"{world_size:,} ranks"
+    return f"{cfg.data_ranks(world_size):,} data-parallel groups (--tp {cfg.tp})"
 
 
 def refusals(plan: dict[str, Any], cfg: RunConfig, hw: Hardware) -> list[str]:
@@ -251,14 +242,14 @@ def refusals(plan: dict[str, Any], cfg: RunConfig, hw: Hardware) -> list[str]:
     for rank in plan["ranks"]:
         if rank["train_samples"] == 0:
             found.append(f"rank {rank['rank']} has no training sample in an epoch: the set is too small for "
-                         f"{world:,} ranks x --grad-accum {cfg.grad_accum}; use fewer ranks, less --grad-accum, or "
-                         "more data")
+                         f"{_data_ranks(cfg, world)} x --grad-accum {cfg.grad_accum}; use fewer ranks, less "
+                         "--grad-accum, or more data")
             break
     peak = max(rank["peak_bytes"] for rank in plan["ranks"])
     if hw.memory_per_rank_gb is not None and peak > hw.memory_per_rank_gb * 1e9:
         found.append(f"a rank needs {peak / 1e9:.3g} GB at its peak, above --memory-per-rank {hw.memory_per_rank_gb:g}"
-                     "; shard it (--strategy fsdp), lower --batch-size with more --grad-accum, or add "
-                     "--activation-checkpointing")
+                     "; shard it (--strategy fsdp), split its layers too (--tp, docs/tensor-parallel.md), lower "
+                     "--batch-size with more --grad-accum, or add --activation-checkpointing")
     t = plan["time"]
     if cfg.save_every and t["snapshot_interval_s"] < t["write_s"]:
         found.append(f"--save-every {cfg.save_every} starts a snapshot every {t['snapshot_interval_s']:.3g} s, "

@@ -4,14 +4,13 @@ the target world through the fake process group (fake_group.py), and what it hol
 What is measured, not modelled: the bytes of every tensor this rank holds after a step
 (parameters, gradients, optimizer state, buffers: the local shards of FSDP's DTensors), the
 tensors one micro-batch's forward saves for the backward, the collectives a steady step starts
-(kind, elements, dtype: ``CollectiveCount``), the FLOPs of a step (torch's FlopCounterMode, as
+(kind, elements, dtype, group: collectives.py), the FLOPs of a step (torch's FlopCounterMode, as
 the Trainer counts them), the state a snapshot holds, and this rank's share of the data (the
 samplers' own arithmetic).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import itertools
@@ -21,10 +20,8 @@ from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..comm import DistContext
-from ..data import training_batches
 from ..data.batches import eval_batch_ranges, eval_shard
 from ..data.sampling import StepSampler
 from ..data.streams import is_stream
@@ -35,20 +32,18 @@ from ..observe.throughput import FlopCount
 from ..optim import build_optimizer, build_schedule, run_steps
 from ..parallel import make_strategy
 from ..parallel.base import Strategy, find_blocks
+from ..parts import build_batches
 from ..random_states import capture_rng
 from ..resilience.guard import NonFiniteGuard
 from ..settings import RunConfig
 from ..step import OptimizerStep
 from ..tasks.protocol import Task
 from . import snapshot_size
+from .collectives import CollectiveCount
 from .fake_group import as_rank, fake_tensors, plan_comm_hook
 from .memory import LiveTensors, available_memory
 from .progress import doing, now_planning
 from .snapshot_size import local, saved_state, serialised, tensor_bytes
-
-KINDS = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::_allgather_base_": "all_gather",
-         "c10d::_reduce_scatter_base_": "reduce_scatter", "c10d::allgather_": "all_gather",
-         "c10d::reduce_scatter_": "reduce_scatter", "c10d::barrier": "barrier"}
 
 
 @dataclasses.dataclass
@@ -175,7 +170,8 @@ class _Run:
         self._run_steps(contextlib.nullcontext() if ddp or stream else tensors)
 
     def _run_steps(self, tensors: contextlib.AbstractContextManager[Any]) -> None:
-        self.activations, self.collectives = ActivationProbe(self.module), CollectiveCount()
+        self.activations = ActivationProbe(self.module)
+        self.collectives = CollectiveCount(self.step.ctx.local_world_size)
         groups = _epochs(self.step.batches, self.step.ctx.rank, self.step.ctx.world_size)
         for index in range(self.steps - 1):
             doing(f"at step {index + 1} of {self.steps}")
@@ -252,7 +248,7 @@ def _step(task: Task, cfg: RunConfig, ctx: DistContext, strategy: Strategy, mode
     params = list(model.parameters())
     trained = [p for p in params if p.requires_grad]
     optimizer = task.make_optimizer(trained) if task.make_optimizer else build_optimizer(trained, cfg.optim)
-    batches = training_batches(task.train_set, cfg.training, ctx, task.collate_fn, None)
+    batches = build_batches(task, cfg, strategy.data_context(ctx), None)  # (--tp: its group's share)
     # the Trainer's own schedule, so that a schedule train refuses (a decay over a stream's unknown
     # length) is refused here too, in the same line
     schedule = build_schedule(optimizer, cfg.optim, run_steps(cfg.training, batches.steps_per_epoch),
@@ -280,34 +276,6 @@ def as_on_device(optimizer: torch.optim.Optimizer, device: str) -> None:
         if isinstance(group.get("lr"), torch.Tensor) and not group.get("capturable"):
             continue  # (torch keeps the loop for a tensor learning rate that is not capturable)
         group["foreach"] = True
-
-
-class CollectiveCount(TorchDispatchMode):
-    """The collectives started on this thread while it is active, by kind, elements (of the
-    first tensor given: an all-gather's whole output, a reduce-scatter's shard, tests/helpers/
-    costs.py's reading of a profiler trace) and dtype. (torch's profiler sees them too, but
-    records every op of the step: at 4,096 ranks FSDP's copy-out ran 136,000 of them, and reading
-    them back took 24 s of a 29 s plan.)"""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.found: collections.Counter[tuple[str, int, torch.dtype]] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kind = KINDS.get(func._schema.name)
-        if kind is not None:
-            first = args[0]
-            while isinstance(first, (list, tuple)):  # the list ops: the first tensor of the first list
-                first = first[0]
-            self.found[(kind, first.numel(), first.dtype)] += 1
-        return func(*args, **(kwargs or {}))
-
-    def table(self) -> dict[str, dict[str, int | str]]:
-        """By kind, then the largest first."""
-        ordered = sorted(self.found.items(), key=lambda item: (item[0][0], -item[0][1], str(item[0][2])))
-        return {f"{kind}[{elements}]": {"kind": kind, "elements": elements, "dtype": str(dtype).removeprefix("torch."),
-                                        "count": count, "bytes": elements * dtype.itemsize}
-                for (kind, elements, dtype), count in ordered}
 
 
 class ActivationProbe:
@@ -366,11 +334,20 @@ def _gathered_bytes(strategy: Strategy, module: torch.nn.Module, task: Task, pre
 def _gathered_numel(param: Any) -> int:
     """A parameter's elements as FSDP's all-gather makes it whole: each rank's shard padded to
     ceil(rows / N) rows of the N ranks it is sharded over, so dim 0 to a multiple of N (a
-    768-row matrix over 16,384 ranks gathers 16,384 rows, 21 times its own)."""
+    768-row matrix over 16,384 ranks gathers 16,384 rows, 21 times its own); under --tp, of its
+    tensor-parallel group's part (the split dimension over --tp)."""
     if not hasattr(param, "placements") or param.dim() == 0:
         return param.numel()
-    shards = math.prod(param.device_mesh.size(i) for i, p in enumerate(param.placements) if p.is_shard())
-    return -(-param.shape[0] // shards) * shards * math.prod(param.shape[1:])
+    shape, shards = list(param.shape), 1
+    names = param.device_mesh.mesh_dim_names or ()
+    for dim, placement in enumerate(param.placements):
+        if not placement.is_shard():
+            continue
+        if dim < len(names) and names[dim] == "tp":  # --tp's split stays split: FSDP gathers a group's part
+            shape[placement.dim] = -(-shape[placement.dim] // param.device_mesh.size(dim))
+        else:
+            shards *= param.device_mesh.size(dim)
+    return -(-shape[0] // shards) * shards * math.prod(shape[1:])
 
 
 def _step_records(run: _Run, ctx: DistContext) -> dict[str, int]:
@@ -383,7 +360,8 @@ def _step_records(run: _Run, ctx: DistContext) -> dict[str, int]:
 
 def _data_shares(task: Task, cfg: RunConfig, ctx: DistContext, strategy: Strategy,
                  steps_per_epoch: int | None) -> dict[str, Any]:
-    """This rank's share of an epoch's training samples and of the evaluation set."""
+    """This rank's share of an epoch's training samples and of the evaluation set (--tp: its group's)."""
+    ctx = strategy.data_context(ctx)
     shares: dict[str, Any] = {"steps_per_epoch": steps_per_epoch, "train_samples": None, "stand_ins": 0}
     if not is_stream(task.train_set):
         sampler = StepSampler(len(task.train_set), ctx.world_size, ctx.rank,  # type: ignore[arg-type]  # map-style

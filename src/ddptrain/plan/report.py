@@ -36,8 +36,11 @@ def _metadata(metadata_bytes: int) -> str:
 
 def format_plan(plan: dict[str, Any]) -> str:
     t, hw, time, plane = plan["target"], plan["hardware"], plan["time"], plan["control_plane"]
-    lines = [f"plan: {t['strategy']} on {t['world_size']:,} ranks ({t['nnodes']:,} node(s) x {t['nproc_per_node']}), "
-             f"batch {t['batch_size']} x accumulation {t['grad_accum']} x ranks = global batch {t['global_batch']:,}",
+    layout, over = t["strategy"], "ranks"
+    if t["tp"] > 1:  # a tensor-parallel group's ranks see the same samples: the batch counts groups
+        layout, over = f"{layout} --tp {t['tp']}", f"{t['data_ranks']:,} groups of {t['tp']}"
+    lines = [f"plan: {layout} on {t['world_size']:,} ranks ({t['nnodes']:,} node(s) x {t['nproc_per_node']}), "
+             f"batch {t['batch_size']} x accumulation {t['grad_accum']} x {over} = global batch {t['global_batch']:,}",
              "", _rank_table(plan["ranks"]), "", "collectives per step (the heaviest rank's, counted in step "
              f"{t['steps_planned']} of {t['steps_planned']}):"]
     lines += [_collective_line(c) for c in plan["collectives_per_step"]]
