@@ -3,7 +3,8 @@
 a GELU MLP) with a plan that splits the attention's q, k, v and the MLPs' up and gate column-wise,
 o and down row-wise; the LayerNorms and the head stay whole. And a small Hugging Face Llama
 (``llama``), whose plan is its own (``tp_plan``: its embedding split by vocabulary, its LM head's
-logits gathered whole, the attention's 4 heads and 2 key-value heads split with q, k, v)."""
+logits gathered whole, the attention's 4 heads and 2 key-value heads split with q, k, v), its loss
+a (sum, count) of the tokens it predicts."""
 
 from __future__ import annotations
 
@@ -40,10 +41,19 @@ def llama_model():
 
 def llama(cfg) -> Task:
     """The Llama on 200 random sequences of 16 tokens (the last step of an epoch partial at 32 a
-    step), its causal LM loss; no tp_plan: --tp takes the model's own."""
+    step); its loss a (sum, count) over the next tokens but token 0, never a target (each batch a
+    different count); no tp_plan: --tp takes the model's own."""
     torch.manual_seed(cfg.seed)
     model = llama_model()
     tokens = torch.randint(0, 64, (200, 16), generator=torch.Generator().manual_seed(cfg.seed))
-    return Task(model=model, train_set=TensorDataset(tokens),
-                step_fn=lambda model, batch: model(input_ids=batch[0], labels=batch[0]).loss,
+    return Task(model=model, train_set=TensorDataset(tokens), step_fn=_next_tokens,
                 defaults={"optimizer": "adamw", "lr": 3e-3})
+
+
+def _next_tokens(model: torch.nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    (tokens,) = batch
+    logits = model(input_ids=tokens).logits[:, :-1]
+    targets = tokens[:, 1:].masked_fill(tokens[:, 1:] == 0, -100)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
+                                             ignore_index=-100, reduction="sum")
+    return loss, (targets != -100).sum()
