@@ -111,6 +111,10 @@ def _add_plan_parser(commands: Any) -> None:
     shape.add_argument("--global-batch", type=int, default=None, help="keep this global batch: --batch-size becomes "
                        "it over the ranks and --grad-accum (refused when it does not divide)")
     shape.add_argument("--json", action="store_true", help="the plan as JSON (for a CI gate before submitting)")
+    shape.add_argument("--fit", action="store_true", help="plan the layouts (ddp, fsdp, hsdp; fsdp with each --tp "
+                       "that divides a node; activation checkpointing; batch x accumulation at the same global "
+                       "batch) and rank those that fit --memory-per-rank by step time, with the best one's train "
+                       "command (exit 2 when none fits)")
     figures = plan.add_argument_group("the machine", "figures the estimates start from (defaults: an H100 node)")
     hw = Hardware()
     for name, text in (("tflops", "achieved TFLOP/s per rank"), ("link_gbps", "one rank's network Gbit/s between "
@@ -325,58 +329,10 @@ def export_command(args: argparse.Namespace) -> int:
 
 def plan_command(args: argparse.Namespace) -> int:
     from .api import prepare
-    from .plan.hardware import Hardware
-    from .plan.job import chosen_ranks, make_plan, refusals, steady_step, with_global_batch
+    from .plan.command import plan_job
 
-    target = plan_target(args.world_size, args.nnodes, args.nproc_per_node)
-    hw = Hardware(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware)})
-    hw.check()
-    cfg, factory = prepare(None, given_options(args), args.config)  # the same checks as train's
-    fewest = steady_step(cfg.strategy) + 1
-    steps = fewest if args.steps is None else args.steps
-    if steps < fewest:
-        raise ConfigError(f"--steps {steps}: a plan of --strategy {cfg.strategy} runs at least {fewest} steps (the "
-                          "steps before are not steady: DDP rebuilds its buckets and shares their order in its "
-                          f"second); give --steps {fewest} or more")
-    cfg = with_global_batch(cfg, target, args.global_batch)
-    # the ranks' device: a plan is for GPUs (--device auto) unless told cpu; its optimizer defaults are planned
-    target = dataclasses.replace(target, device="cpu" if cfg.device == "cpu" else "cuda")
-    shown = sys.stderr if sys.stderr.isatty() and not args.json else None  # what each rank is doing, meanwhile
-    found = make_plan(cfg, factory, target, chosen_ranks(args.ranks, target.world_size), hw, steps, args.fake_tensors,
-                      shown)
-    refused = refusals(found, cfg, hw)
-    if args.json:
-        print(json.dumps({**found, "refusals": refused}, indent=2))
-    else:
-        from .plan.report import format_plan
-
-        print(format_plan(found))
-    for line in refused:
-        print(f"ddptrain: error: {line}", file=sys.stderr)
-    return 2 if refused else 0
-
-
-def plan_target(world_size: int | None, nnodes: int | None, per_node: int | None) -> Any:
-    """The target's shape from --world-size, --nnodes and --nproc-per-node."""
-    from .plan.rank import Target
-
-    if world_size is None and nnodes is None:
-        raise ConfigError("ddptrain plan needs the target's size: --world-size W, or --nnodes N --nproc-per-node G")
-    for flag_name, given in (("--world-size", world_size), ("--nnodes", nnodes), ("--nproc-per-node", per_node)):
-        if given is not None and given < 1:
-            raise ConfigError(f"{flag_name} must be at least 1, got {given}")
-    if nnodes is not None:
-        per_node = per_node or 8
-        if world_size is not None and world_size != nnodes * per_node:
-            raise ConfigError(f"--world-size {world_size} is not --nnodes {nnodes} x --nproc-per-node {per_node}; "
-                              "give one or the other")
-        world_size = nnodes * per_node
-    assert world_size is not None
-    per_node = per_node or min(world_size, 8)
-    if world_size < 1 or per_node < 1 or world_size % per_node:
-        raise ConfigError(f"--world-size {world_size} is not a whole number of nodes of --nproc-per-node {per_node}; "
-                          "give sizes that divide")
-    return Target(world_size, per_node)
+    given = given_options(args)
+    return plan_job(args, lambda: prepare(None, given, args.config), given)  # (train's checks)
 
 
 def env_command(args: argparse.Namespace) -> int:

@@ -234,6 +234,7 @@ def test_the_command_refuses_what_would_fail_at_scale_one_line_each():
         ("--nnodes", "2", "--nproc-per-node", "0"): "--nproc-per-node must be at least 1, got 0",
         ("--nnodes", "0"): "--nnodes must be at least 1, got 0",
         ("--world-size", "0"): "--world-size must be at least 1, got 0",
+        ("--world-size", "8", "--fit"): "--fit ranks the layouts that fit a rank's memory: give --memory-per-rank GB",
         # a world this machine cannot simulate (torch's bookkeeping of a billion ranks: its OOM killer)
         ("--world-size", "1000000000"): "planned rank(s) would need about 1,200 GB here for the world alone",
     }
@@ -350,6 +351,36 @@ def test_a_tp_plan_times_each_collective_on_its_group_and_counts_a_rank_s_share_
     assert {c["in_node"] for c in plan["collectives_per_step"] if c["group"] == 4} == {False}, plan
     assert any(note.startswith("--tp 4 does not divide --nproc-per-node 6: some tensor-parallel groups span two "
                                "nodes") for note in plan["notes"]), plan["notes"]
+
+
+@pytest.mark.slow
+def test_fit_plans_the_layouts_and_ranks_those_that_fit_by_step_time():
+    """plan --fit on 2 ranks at global batch 128 (tp_tasks' blocks: ddp, fsdp, fsdp --tp 2; each
+    with more accumulation and checkpointing until it fits) under a limit that batch 64 a rank
+    does not meet: what fits is under the limit, ranked by step time, the best command first's;
+    what does not is over it (or refused), each group planned until its first fit."""
+    limit = 0.0008  # GB: 800 KB; ddp's 64 a rank peaks at 1.4 MB, its 16 x 4 at 0.5 MB
+    code, out, err = _plan("--fit", "--task", "tp_tasks:blocks", "--world-size", "2", "--device", "cpu", "--ranks",
+                           "0", "--batch-size", "64", "--memory-per-rank", str(limit), "--json")
+    found = json.loads(out)
+    assert code == 0 and found["global_batch"] == 128 and found["left_out"] == [], err
+    fitting, tried = found["fitting"], found["tried"]
+    assert fitting and len(fitting) < len(tried)
+    assert all(t["peak_bytes"] <= limit * 1e9 and not t["refusals"] for t in fitting)
+    assert all(t["peak_bytes"] > limit * 1e9 or t["refusals"] for t in tried if not t["fits"])
+    assert [t["step_s_serial"] for t in fitting] == sorted(t["step_s_serial"] for t in fitting)
+    assert {(t["strategy"], t["tp"]) for t in tried} == {("ddp", 1), ("fsdp", 1), ("fsdp", 2)}
+    for t in tried:  # batch x accumulation x groups: the global batch
+        assert t["batch_size"] * t["grad_accum"] * 2 // t["tp"] == 128, t
+    # a group ends at its first fit without checkpointing; checkpointing is tried below its accumulation
+    for group in {(t["strategy"], t["tp"]) for t in tried}:
+        plain = [t for t in tried if (t["strategy"], t["tp"]) == group and not t["activation_checkpointing"]]
+        assert [t["fits"] for t in plain] == [False] * (len(plain) - 1) + [plain[-1]["fits"]], plain
+    # the best command, in text
+    code, out, _ = _plan("--fit", "--task", "tp_tasks:blocks", "--world-size", "2", "--device", "cpu", "--ranks", "0",
+                         "--batch-size", "64", "--memory-per-rank", str(limit))
+    assert out.splitlines()[-1] == "best: ddptrain train --task tp_tasks:blocks --device cpu " + " ".join(
+        fitting[0]["flags"]), out
 
 
 @pytest.mark.slow

@@ -148,37 +148,77 @@ def check_world_fits_here(world_size: int, ranks_at_once: int, available: int | 
 
 def plan_ranks(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], steps: int,
                fake: bool = False, shown: TextIO | None = None) -> list[RankFigures]:
-    """Each chosen rank planned in a fresh process of its own (spawned), as many at once as there
-    are cores. Fresh, because a planned rank leaves torch's process-wide state behind: a real FSDP
-    job forked afterwards from a process that had planned one wrote a snapshot that DCP refused,
-    its ranks' shards overlapping; and a --tp rank planned after another in one process ran its
-    all-reduces on the first one's groups (DTensor's caches of sharding decisions hold a mesh,
-    and a DeviceMesh compares equal to another of the same shape whatever its rank and groups):
-    one rank a process, even where the ranks outnumber the cores. At once,
-    because each is a whole model's steps: GPT-2's two ranks took 74 s one after the other here,
-    on 2 cores, and 58 s side by side. ``shown``: where to say what each is doing, every few
-    seconds (a terminal)."""
-    import concurrent.futures
+    """Each chosen rank planned in a fresh process of its own, as many at once as there are cores.
+
+    Fresh, because a planned rank leaves torch's process-wide state behind: a real FSDP job forked
+    afterwards from a process that had planned one wrote a snapshot that DCP refused, its ranks'
+    shards overlapping; and a --tp rank planned after another in one process ran its all-reduces
+    on the first one's groups (DTensor's caches of sharding decisions hold a mesh, and a
+    DeviceMesh compares equal to another of the same shape whatever its rank and groups): one rank
+    a process, even where the ranks outnumber the cores. Forked from this process, which never
+    joins a fake world: a spawned one paid 4-5 CPU-seconds of imports a rank, the most of a small
+    model's plan (plan --fit plans a dozen layouts). Every process is forked before the progress
+    thread starts (a fork beside a running thread can deadlock the child); each waits its turn
+    (``turns``: one a core). At once, because each is a whole model's steps: GPT-2's two ranks
+    took 74 s one after the other here, on 2 cores, and 58 s side by side. ``shown``: where to say
+    what each is doing, every few seconds (a terminal)."""
     import multiprocessing
     import os
 
     workers = max(1, min(len(ranks), os.cpu_count() or 1))
     check_world_fits_here(target.world_size, workers, available_memory())
     threads = max(1, (os.cpu_count() or 1) // workers)
-    spawn = multiprocessing.get_context("spawn")
-    said = spawn.Queue() if shown is not None else None
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=spawn, initializer=_start_planner,
-                                                initargs=(threads, said), max_tasks_per_child=1) as pool, \
-            Progress(said, ranks, shown) if shown is not None else contextlib.nullcontext():
-        return list(pool.map(plan_rank, *zip(*[(cfg, factory, target, rank, steps, fake) for rank in ranks])))
+    fork = multiprocessing.get_context("fork")
+    said = fork.Queue() if shown is not None else None
+    turns = fork.Semaphore(workers)
+    planners = []
+    for rank in ranks:
+        reader, writer = fork.Pipe(duplex=False)
+        process = fork.Process(target=_planner, args=(writer, turns, threads, said, cfg, factory, target, rank,
+                                                      steps, fake), daemon=True, name=f"ddptrain-plan-rank-{rank}")
+        process.start()
+        writer.close()
+        planners.append((rank, process, reader))
+    with Progress(said, ranks, shown) if shown is not None else contextlib.nullcontext():
+        return [_planned(rank, process, reader) for rank, process, reader in planners]
 
 
-def _start_planner(threads: int, said: Any) -> None:
-    """A planned rank's process: its threads, and where it says what it is doing (plan/progress.py)."""
+def _planner(writer: Any, turns: Any, threads: int, said: Any, *plan: Any) -> None:
+    """A planned rank's process: its turn, its threads, where it says what it is doing
+    (plan/progress.py), then its figures, or its error with the traceback, to the planning one."""
+    import traceback
+
     import torch
 
-    torch.set_num_threads(threads)
-    listen(said)
+    with turns:
+        torch.set_num_threads(threads)
+        listen(said)
+        try:
+            outcome: Any = plan_rank(*plan)
+        except BaseException as error:  # noqa: BLE001 - every error goes back to the planning process
+            outcome = (error, traceback.format_exc())
+        try:
+            writer.send(outcome)
+        except Exception:  # noqa: BLE001 - an error that does not pickle: its text
+            writer.send((RuntimeError(str(outcome[1])), outcome[1]))
+
+
+def _planned(rank: int, process: Any, reader: Any) -> RankFigures:
+    """Rank ``rank``'s figures from its process; its error raised here (a ConfigError as it is:
+    one line), with its traceback beside it."""
+    try:
+        outcome = reader.recv()
+    except EOFError:
+        process.join()
+        raise RuntimeError(f"ddptrain plan: the process planning rank {rank} ended without its figures "
+                           f"(exit {process.exitcode}; killed for memory?)") from None
+    process.join()
+    if isinstance(outcome, RankFigures):
+        return outcome
+    error, text = outcome
+    if isinstance(error, ConfigError):
+        raise error
+    raise error from RuntimeError(f"in the process planning rank {rank}:\n{text}")
 
 
 def peak_bytes(f: RankFigures) -> int:
