@@ -7,7 +7,7 @@ does; ``Task`` describes what to train; ``RunConfig`` holds the settings; ``Trai
 
 from __future__ import annotations
 
-__version__ = "0.7.0"  # what a user has: CHANGELOG.md says what each version added, changed and broke
+__version__ = "0.7.1"  # what a user has: CHANGELOG.md says what each version added, changed and broke
 
 from .errors import ConfigError  # noqa: E402
 
