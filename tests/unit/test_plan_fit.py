@@ -54,9 +54,16 @@ def test_a_group_stops_at_its_first_fit_and_checkpoints_only_to_save_micro_batch
     assert seen == asked
 
 
-def test_a_task_that_cannot_split_its_layers_leaves_its_group_out():
+def test_a_layout_the_task_cannot_run_leaves_its_group_out_with_train_s_line():
     group = candidates(RunConfig(batch_size=4), Target(2, 2))[2]  # fsdp --tp 2
-    assert _group_outcomes(group, lambda layout: None) is None
+    asked = []
+
+    def refused(layout: Layout) -> str:
+        asked.append(layout)
+        return f"{layout.name()}: --tp 2: the task names no layers to split"
+
+    assert _group_outcomes(group, refused) == "fsdp --tp 2, batch 8 x 1: --tp 2: the task names no layers to split"
+    assert len(asked) == 1
 
 
 def _tried(strategy: str, tp: int, checkpointed: bool, peak_gb: float, step_s: float, state_gb: float,

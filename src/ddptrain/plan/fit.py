@@ -84,18 +84,19 @@ def fit_layouts(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], 
     tried: list[dict[str, Any]] = []
     left_out: list[str] = []
 
-    def planned(layout: Layout) -> dict[str, Any] | None:
+    def planned(layout: Layout) -> dict[str, Any] | str:
         if say is not None:
             say(f"ddptrain plan --fit: planning {layout.name()} ({len(tried) + 1} so far)")
         return _try(cfg, factory, target, ranks, hw, fake, layout)
 
+    no_split_plan = False
     for group in candidates(cfg, target):
-        if group[0].tp > 1 and left_out:
-            continue  # the task names no layers to split: no degree can
+        if group[0].tp > 1 and no_split_plan:
+            continue  # (no degree can split a model the task names no layers of)
         outcomes = _group_outcomes(group, planned)
-        if outcomes is None:
-            left_out.append(f"--tp: the task {cfg.task} names no layers to split (Task.tp_plan), so no layout with "
-                            "--tp was planned")
+        if isinstance(outcomes, str):  # the task or the settings cannot run this group's layouts
+            left_out.append(outcomes)
+            no_split_plan = no_split_plan or "names no layers to split" in outcomes
             continue
         tried += outcomes
     # by step time; a tie (a step the collectives' latency bounds) to fewer micro-batches, no recomputing
@@ -106,38 +107,38 @@ def fit_layouts(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], 
             "seconds": time.monotonic() - began}
 
 
-def _group_outcomes(group: list[Layout], planned: Any) -> list[dict[str, Any]] | None:
+def _group_outcomes(group: list[Layout], planned: Any) -> list[dict[str, Any]] | str:
     """One strategy and degree's layouts planned from the least accumulation to the first that
     fits, without activation checkpointing, then with it at less accumulation than that one (with
-    as much or more, recomputing only adds time); None: the task cannot run them."""
+    as much or more, recomputing only adds time); a str: why the group cannot run at all."""
     outcomes: list[dict[str, Any]] = []
-    most = None  # the accumulation checkpointing must beat
+    plain_fit = None  # the accumulation the plain layouts first fit at
     for checkpointed in (False, True):
         for layout in (lay for lay in group if lay.activation_checkpointing == checkpointed):
-            if checkpointed and most is not None and layout.grad_accum >= most:
+            if checkpointed and plain_fit is not None and layout.grad_accum >= plain_fit:
                 break
             outcome = planned(layout)
-            if outcome is None:
-                return None
+            if isinstance(outcome, str):
+                return outcome
             outcomes.append(outcome)
             if outcome["fits"]:
-                most = most or layout.grad_accum
+                if not checkpointed:
+                    plain_fit = layout.grad_accum
                 break  # (more accumulation only adds time)
     return outcomes
 
 
 def _try(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], hw: Hardware, fake: bool,
-         layout: Layout) -> dict[str, Any] | None:
-    """The layout planned: its peak, step time and refusals (none: it fits); None where the task
-    or the settings cannot run it (a task without a tensor-parallel plan under --tp)."""
+         layout: Layout) -> dict[str, Any] | str:
+    """The layout planned: its peak, step time and refusals (none: it fits); a str where the task
+    or the settings cannot run it at all: train's own line (a task without a tensor-parallel plan
+    under --tp, a layer --tp does not divide, DDP's buckets beyond this machine under --fake-tensors)."""
     changed = cfg.replace(**layout.settings())
     try:
         validate(changed)
         plan = make_plan(changed, factory, target, ranks, hw, steady_step(layout.strategy) + 1, fake)
     except ConfigError as error:
-        if layout.tp > 1 and "names no layers to split" in str(error):
-            return None
-        raise
+        return f"{layout.name()}: {error}"
     refused = refusals(plan, changed, hw)
     time_ = plan["time"]
     return {**layout.settings(), "peak_bytes": max(r["peak_bytes"] for r in plan["ranks"]),
