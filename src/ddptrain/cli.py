@@ -111,10 +111,10 @@ def _add_plan_parser(commands: Any) -> None:
     shape.add_argument("--global-batch", type=int, default=None, help="keep this global batch: --batch-size becomes "
                        "it over the ranks and --grad-accum (refused when it does not divide)")
     shape.add_argument("--json", action="store_true", help="the plan as JSON (for a CI gate before submitting)")
-    shape.add_argument("--fit", action="store_true", help="plan the layouts (ddp, fsdp, hsdp; fsdp with each --tp "
-                       "that divides a node; activation checkpointing; batch x accumulation at the same global "
-                       "batch) and rank those that fit --memory-per-rank by step time, with the best one's train "
-                       "command (exit 2 when none fits)")
+    shape.add_argument("--fit", action="store_true", help="plan the layouts (ddp, fsdp, hsdp across nodes; fsdp "
+                       "and hsdp with each --tp that divides a node; activation checkpointing; batch x accumulation "
+                       "at the same global batch) and rank those that fit --memory-per-rank by step time, with the "
+                       "best one's train command (exit 2 when none fits)")
     figures = plan.add_argument_group("the machine", "figures the estimates start from (defaults: an H100 node)")
     hw = Hardware()
     for name, text in (("tflops", "achieved TFLOP/s per rank"), ("link_gbps", "one rank's network Gbit/s between "

@@ -7,8 +7,8 @@ its share of the heads).
 One set of runs serves every test (module fixture): DDP on 2 ranks, TP x FSDP on 4, and a TP run
 killed past step 10 whose snapshot there is resumed under the same layout, under fsdp on 2 and on 4
 ranks; then fsdp's snapshot resumed under TP again; a TP run started from DDP's model.pt
-(--init-from). And a Hugging Face Llama split by its own plan, its loss a (sum, count) of the
-tokens it predicts, beside DDP."""
+(--init-from); TP under hsdp (2 replica groups). And a Hugging Face Llama split by its own plan,
+its loss a (sum, count) of the tokens it predicts, beside DDP."""
 
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def runs(tmp_path_factory):
     fit("tp_tasks:killable_blocks", base / "back-to-tp", env=SAMPLES, **TP, **COMMON)
     fit(TASK, base / "init-from", env=SAMPLES, **TP, init_from=str(base / "ddp" / "model.pt"), eval_at_start=True,
         batch_size=8, grad_accum=2, max_steps=1)
+    fit(TASK, base / "hsdp-tp", env=SAMPLES, **{**TP, "strategy": "hsdp", "replicas": 2}, **COMMON)
     fit("tp_tasks:llama", base / "llama-ddp", nproc=2, **LLAMA)
     fit("tp_tasks:llama", base / "llama-tp", **TP, **LLAMA)
     return base
@@ -75,6 +76,20 @@ def test_tp_with_fsdp_trains_what_ddp_trains_on_the_same_global_batch(runs):
         for figure in ("train_loss", "grad_norm", "eval_loss", "ema_eval_loss"):
             assert mine[figure] == pytest.approx(theirs[figure], rel=1e-6), figure
     assert [r["step"] for r in _epochs(runs / "tp")] == [10, 20]  # 297 samples / 32 a step: 10 (the last 9)
+
+
+def test_hsdp_with_tp_trains_what_ddp_trains(runs):
+    """--strategy hsdp --replicas 2 --tp 2 on 4 ranks (a 3-D mesh: 2 replica groups of 1 sharding
+    rank, each a tensor-parallel group of 2): DDP's weights, average and epochs to the same
+    rounding as fsdp's; model.pt whole."""
+    hsdp, ddp = load_model(runs / "hsdp-tp"), load_model(runs / "ddp")
+    assert {k: v.shape for k, v in hsdp.items()} == {k: v.shape for k, v in ddp.items()}
+    assert_same_weights(hsdp, ddp)
+    assert_same_weights(load_model(runs / "hsdp-tp" / "ema"), load_model(runs / "ddp" / "ema"))
+    for mine, theirs in zip(_epochs(runs / "hsdp-tp"), _epochs(runs / "ddp"), strict=True):
+        assert (mine["step"], mine["samples"]) == (theirs["step"], 297)
+        for figure in ("train_loss", "grad_norm", "eval_loss"):
+            assert mine[figure] == pytest.approx(theirs[figure], rel=1e-6), figure
 
 
 def test_tp_keeps_the_best_model_whole_as_ddp_does(runs):

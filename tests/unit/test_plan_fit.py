@@ -14,11 +14,12 @@ from ddptrain.settings import RunConfig
 def test_the_layouts_keep_the_global_batch_and_split_layers_inside_a_node():
     """2 nodes of 8 at batch 4 x accumulation 1 (global 64): ddp, fsdp, fsdp with each degree that
     divides a node's 8 ranks (its groups count once: the batch per rank times the degree), hsdp
-    across the nodes; each without checkpointing, then with it, at 1, 2 and 4 times the
+    across the nodes with each degree too; each without checkpointing, then with it, at 1, 2 and 4 times the
     accumulation, where the batch still divides."""
     groups = candidates(RunConfig(batch_size=4), Target(16, 8))
     assert [(g[0].strategy, g[0].tp) for g in groups] == [("ddp", 1), ("fsdp", 1), ("fsdp", 2), ("fsdp", 4),
-                                                          ("fsdp", 8), ("hsdp", 1)]
+                                                          ("fsdp", 8), ("hsdp", 1), ("hsdp", 2), ("hsdp", 4),
+                                                          ("hsdp", 8)]
     for group in groups:
         for layout in group:
             assert layout.batch_size * layout.grad_accum * 16 // layout.tp == 64, layout

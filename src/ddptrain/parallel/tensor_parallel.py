@@ -1,5 +1,6 @@
 """``--tp N`` with ``--strategy fsdp``: tensor parallelism inside groups of N consecutive ranks,
-composed with FSDP2 across the groups (a 2-D mesh, ``("dp", "tp")``).
+composed with FSDP2 across the groups (a 2-D mesh, ``("dp", "tp")``); with ``--strategy hsdp``,
+HSDP across them (a 3-D mesh, ``("replicate", "shard", "tp")``).
 
 The layers the task's ``Task.tp_plan`` names are split over a group's N ranks by torch's DTensor
 tensor parallelism (``parallelize_module``: a column-wise layer's output features, a row-wise
@@ -111,17 +112,33 @@ class TensorParallelStrategy(FSDPStrategy):
             raise ConfigError(f"--tp {self.tp} does not divide the world of {ctx.world_size} ranks into groups; use a "
                               f"--tp that divides it, or another number of ranks")
         self.dp = ctx.world_size // self.tp
+        self.replicas = self._replicas(parallel, ctx) if parallel.strategy == "hsdp" else 0
         self.counts_data = ctx.rank % self.tp == 0
         # DTensor's hint that a 2-D gather takes two collectives (model.pt's gather): nothing a user can act on
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
+    def _replicas(self, parallel: ParallelSettings, ctx: DistContext) -> int:
+        """--strategy hsdp: the replica groups of the data-parallel ranks (one a node by default,
+        as hsdp's own: a node's ranks over --tp are its data-parallel ranks)."""
+        nodes = max(1, ctx.world_size // ctx.local_world_size)
+        replicas = parallel.replicas or nodes
+        if self.dp % replicas:
+            raise ConfigError(f"--replicas {replicas} does not divide the {self.dp} data-parallel groups of --tp "
+                              f"{self.tp} into equal replica groups; choose a divisor of {self.dp}")
+        return replicas
+
     @functools.cached_property
     def grid(self) -> DeviceMesh:
-        """The 2-D mesh: rank r is data-parallel rank r // tp, tensor-parallel rank r % tp."""
+        """The 2-D mesh, rank r data-parallel rank r // tp and tensor-parallel rank r % tp; under
+        hsdp the 3-D one, the data-parallel ranks in --replicas groups that each shard the model."""
+        if self.replicas:
+            return init_device_mesh(self.ctx.device.type, (self.replicas, self.dp // self.replicas, self.tp),
+                                    mesh_dim_names=("replicate", "shard", "tp"))
         return init_device_mesh(self.ctx.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
 
     def mesh(self) -> DeviceMesh | None:
-        return self.grid["dp"]
+        """FSDP2's: the data-parallel dimension (hsdp's two)."""
+        return self.grid["replicate", "shard"] if self.replicas else self.grid["dp"]
 
     def wrap(self, module: torch.nn.Module, task: Task) -> torch.nn.Module:
         plan = model_plan(task, module)
@@ -173,6 +190,6 @@ class TensorParallelStrategy(FSDPStrategy):
     def _counts(self, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> bool:
         """Whether this rank counts a shard laid out so: asked once per layout, not per gradient and step."""
         coordinate = list(mesh.get_coordinate() or ())
-        split = mesh.mesh_dim_names == ("dp", "tp")
+        split = "tp" in (mesh.mesh_dim_names or ())
         return (split or self.counts_data) and all(c == 0 for c, p in zip(coordinate, placements)
                                                    if isinstance(p, Replicate))

@@ -2,7 +2,7 @@
 fastest, found by planning them (job.make_plan), not by rules of thumb.
 
 A layout is a strategy (ddp, fsdp, and hsdp on more than one node), a tensor-parallel degree under
-fsdp (each that divides a node's ranks, where the task names layers to split), activation
+fsdp and hsdp (each that divides a node's ranks, where the task names layers to split), activation
 checkpointing or not, and the batch per rank x accumulation that keeps the job's global batch.
 For each strategy and degree the plans go from the cheapest layout to the most frugal: without
 activation checkpointing at 1x, 2x and 4x the accumulation up to the first that fits, then with it
@@ -57,10 +57,10 @@ def candidates(cfg: RunConfig, target: Target) -> list[list[Layout]]:
     """The layouts to try, in groups of one strategy and degree, each group cheapest first (the
     global batch of ``cfg`` kept: layouts it does not divide into are left out)."""
     global_batch = cfg.global_batch(cfg.data_ranks(target.world_size))
-    strategies = [("ddp", 1), ("fsdp", 1)]
-    strategies += [("fsdp", tp) for tp in (2, 4, 8, 16) if target.nproc_per_node % tp == 0]
+    degrees = [1] + [tp for tp in (2, 4, 8, 16) if target.nproc_per_node % tp == 0]
+    strategies = [("ddp", 1)] + [("fsdp", tp) for tp in degrees]
     if target.nnodes > 1:
-        strategies.append(("hsdp", 1))
+        strategies += [("hsdp", tp) for tp in degrees]
     groups = []
     for strategy, tp in strategies:
         group = []

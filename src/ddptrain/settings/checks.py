@@ -203,14 +203,14 @@ def _check_strategy_options(cfg: RunConfig) -> None:
 
 
 def _check_tensor_parallel(cfg: RunConfig) -> None:
-    """--tp: with --strategy fsdp, and without what it is not yet built or tested with."""
+    """--tp: with --strategy fsdp or hsdp, and without what it is not yet built or tested with."""
     if cfg.tp < 1:
         raise ConfigError(f"--tp must be at least 1, got {cfg.tp}")
     if cfg.tp == 1:
         return
-    if cfg.strategy != "fsdp":
-        raise ConfigError(f"--tp {cfg.tp} composes tensor parallelism with --strategy fsdp (this run's is "
-                          f"{cfg.strategy}; ddp and hsdp with --tp: not yet); pass --strategy fsdp")
+    if cfg.strategy == "ddp":  # (torch's DDP takes no DTensor parameters, which the split layers hold)
+        raise ConfigError(f"--tp {cfg.tp} composes tensor parallelism with --strategy fsdp or hsdp (DDP cannot hold "
+                          "the split layers' DTensors); pass --strategy fsdp, or hsdp to replicate across nodes")
     not_yet = [flag for flag, used in (
         ("--fault-tolerance torchft", cfg.fault_tolerance == "torchft"),
         (f"--sync {cfg.sync}", cfg.sync != "every-step"), ("--compile", cfg.compile)) if used]
