@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         epochs = {job: 0 for job in epochs}
         env["DDPTRAIN_BENCH_SMOKE"] = "1"
+        os.environ["DDPTRAIN_BENCH_SMOKE"] = "1"  # (here too: final_loss builds the smoke's model and data)
     contenders = list(BASE)
     if args.peers:
         missing = [peer for peer in PEERS if not installed(peer)]
