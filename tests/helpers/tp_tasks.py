@@ -3,8 +3,8 @@
 a GELU MLP) with a plan that splits the attention's q, k, v and the MLPs' up and gate column-wise,
 o and down row-wise; the LayerNorms and the head stay whole. And a small Hugging Face Llama
 (``llama``), whose plan is its own (``tp_plan``: its embedding split by vocabulary, its LM head's
-logits gathered whole, the attention's 4 heads and 2 key-value heads split with q, k, v), its loss
-a (sum, count) of the tokens it predicts."""
+logits gathered whole, the attention's 4 heads and 2 key-value heads split with q, k, v; its head
+and embedding one tied weight), its loss a (sum, count) of the tokens it predicts."""
 
 from __future__ import annotations
 
@@ -31,11 +31,12 @@ killable_blocks = killable(blocks)
 
 
 def llama_model():
-    """A 2-layer Llama, 32 wide, over 64 tokens (the heads: 4 of q, 2 of k and v; untied head)."""
+    """A 2-layer Llama, 32 wide, over 64 tokens (the heads: 4 of q, 2 of k and v), its head tied to
+    its token embedding (as Llama 3.2's small models are): one weight both layers of the plan split."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                                         bos_token_id=0, eos_token_id=1, pad_token_id=None))
 
 

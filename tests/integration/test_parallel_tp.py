@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ddptrain.errors import ConfigError, TrainingFailed
-from helpers.commands import assert_same_weights, fit, load_model, read_metrics
+from helpers.commands import assert_ok, assert_same_weights, ddptrain_cli, fit, load_model, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -118,19 +118,38 @@ def test_a_tp_run_killed_and_resumed_ends_bitwise_as_the_uninterrupted_one(runs)
 
 def test_a_hugging_face_llama_splits_by_its_own_plan_and_trains_what_ddp_trains(runs):
     """No Task.tp_plan: the Llama's tp_plan splits its embedding by vocabulary, q, k, v (4 heads, 2
-    of keys and values: 2 and 1 a rank) and its MLP, and gathers the LM head's logits. Its loss is a
+    of keys and values: 2 and 1 a rank) and its MLP, and gathers the LM head's logits; the head's
+    weight is the embedding's (tied), split once and trained as one (torch's parallelize_module
+    gives each layer its own: tensor_parallel.retie). Its loss is a
     (sum, count) over the tokens it predicts (token 0 is never a target: each step a mean over a
     different count), which a group's ranks count once. 26 AdamW steps on 200 sequences (a partial
     last step) end within 1e-5 of DDP's weights (measured: 1.4e-6 on weights of about 0.09; fsdp on
     2 ranks equals DDP bitwise, so the gap is TP's sums' order)."""
     tp, ddp = load_model(runs / "llama-tp"), load_model(runs / "llama-ddp")
     assert {k: v.shape for k, v in tp.items()} == {k: v.shape for k, v in ddp.items()}
+    assert torch.equal(tp["lm_head.weight"], tp["model.embed_tokens.weight"])  # still tied
     for name, weight in ddp.items():
         torch.testing.assert_close(tp[name], weight, rtol=0, atol=1e-5, msg=name)
     for mine, theirs in zip(_epochs(runs / "llama-tp"), _epochs(runs / "llama-ddp"), strict=True):
         assert (mine["step"], mine["samples"]) == (theirs["step"], 200)
         assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-6)
     assert [r["step"] for r in _epochs(runs / "llama-tp")] == [13, 26]
+
+
+def test_a_tp_run_exports_as_a_hugging_face_folder_and_safetensors(runs, tmp_path):
+    """export reads model.pt (whole tensors): the Llama trained under --tp as an HF folder that
+    transformers loads, tied as it was, and as safetensors, each equal to model.pt."""
+    import transformers
+    from safetensors.torch import load_file
+
+    assert_ok(ddptrain_cli("export", str(runs / "llama-tp"), "--format", "hf", "--out", str(tmp_path / "hf")))
+    assert_ok(ddptrain_cli("export", str(runs / "llama-tp"), "--format", "safetensors",
+                           "--out", str(tmp_path / "model.safetensors")))
+    trained = load_model(runs / "llama-tp")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert_same_weights(loaded.state_dict(), trained, exact=True)
+    assert_same_weights(load_file(tmp_path / "model.safetensors"), trained, exact=True)  # (tied: a copy a name)
 
 
 @pytest.mark.parametrize("layout", ["other-layout", "four-ranks", "back-to-tp"])

@@ -87,3 +87,29 @@ def test_a_plan_s_global_batch_counts_the_data_parallel_groups():
     with pytest.raises(ConfigError, match=r"^--global-batch 66 does not divide over 4 data-parallel groups "
                                           r"\(--tp 2\) x --grad-accum 1; choose a multiple of 4 \(e\.g\. 64\)"):
         with_global_batch(cfg, Target(8, 8), 66)
+
+
+def test_tied_weights_are_tied_again_after_each_layer_got_a_parameter_of_its_own():
+    """parallelize_module gives each layer it splits a parameter of its own: a tied embedding and
+    head (the Llama's) would train as two copies. retie points the head at the embedding's again,
+    where both are split alike (their placements, here stand-ins on plain parameters); where they
+    are not, one line."""
+    import torch
+    from tp_tasks import llama_model
+
+    from ddptrain.parallel.tensor_parallel import retie, tied_parameters
+
+    model = llama_model()
+    tied = tied_parameters(model)
+    assert tied == [[("model.embed_tokens", "weight"), ("lm_head", "weight")]]
+    for placements in ("rows", "rows"), ("rows", "columns"):
+        model.model.embed_tokens.weight.placements = placements[0]
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # what parallelize does
+        model.lm_head.weight.placements = placements[1]
+        if placements[0] == placements[1]:
+            retie(model, tied)
+            assert model.lm_head.weight is model.model.embed_tokens.weight
+        else:
+            with pytest.raises(ConfigError, match=r"^Task.tp_plan splits the tied weights model.embed_tokens.weight "
+                                                  r"and lm_head.weight differently; split both by rows"):
+                retie(model, tied)

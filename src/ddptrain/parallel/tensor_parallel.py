@@ -92,6 +92,37 @@ def _check_splits(name: str, part: torch.nn.Module, style: str, tp: int) -> None
                           f"that divides it")
 
 
+def tied_parameters(module: torch.nn.Module) -> list[list[tuple[str, str]]]:
+    """The parameters several modules share (a language model's token embedding and its head),
+    each as the (module name, attribute) pairs that hold it."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for name, part in module.named_modules(remove_duplicate=False):
+        for attribute, param in part._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((name, attribute))
+    return [places for places in holders.values() if len(places) > 1]
+
+
+def retie(module: torch.nn.Module, tied: list[list[tuple[str, str]]]) -> None:
+    """Tie again what ``parallelize_module`` untied: it gives each layer it splits a parameter of
+    its own, so a tied embedding and head, both in the plan, became two copies trained apart. The
+    first holder's parameter is every holder's, where they are split alike (an Embedding split by
+    vocabulary and a column-wise head: both by rows); ConfigError (one line) where they are not."""
+    for places in tied:
+        (first_name, first_attribute), *others = places
+        kept = getattr(module.get_submodule(first_name), first_attribute)
+        for name, attribute in others:
+            part = module.get_submodule(name)
+            held = getattr(part, attribute)
+            if held is kept:
+                continue
+            if getattr(held, "placements", None) != getattr(kept, "placements", None):
+                raise ConfigError(f"Task.tp_plan splits the tied weights {first_name}.{first_attribute} and "
+                                  f"{name}.{attribute} differently; split both by rows (an Embedding "
+                                  "'embedding_rowwise', a head 'colwise' or 'colwise_gather_output') or neither")
+            setattr(part, attribute, kept)
+
+
 def _by_mesh(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
     """The parameters grouped by their gradients' mesh (torch's foreach ops take one mesh at a time)."""
     groups: dict[Any, list[torch.nn.Parameter]] = {}
@@ -152,7 +183,9 @@ class TensorParallelStrategy(FSDPStrategy):
                               "not count once per sample yet; return its figure from eval_fn as a sum, or drop --tp")
         if any(p.device != self.ctx.device for p in module.parameters()):  # (a plan's fake tensors cannot be
             module.to(self.ctx.device)  # swapped for themselves: `ddptrain plan --fake-tensors`)
+        tied = tied_parameters(module)
         parallelize_module(module, self.grid["tp"], resolve_plan(module, plan, self.tp))
+        retie(module, tied)
         return super().wrap(module, task)
 
     def data_context(self, ctx: DistContext) -> DistContext:
