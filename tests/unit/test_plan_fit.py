@@ -87,6 +87,9 @@ def test_none_fits_names_the_most_frugal_layout_and_what_would_shrink_it():
                     "sample) or devices with more memory")
     found["tried"][1] = _tried("fsdp", 2, True, 95, 2.0, 60, False)
     assert "use more ranks (its model state, sharded, shrinks with them)" in none_fits(found)
+    nothing = {**found, "tried": [], "left_out": ["ddp, batch 4 x 1: --fake-tensors under --strategy ddp: ..."]}
+    assert none_fits(nothing) == ("no layout of the job could be planned: ddp, batch 4 x 1: --fake-tensors under "
+                                  "--strategy ddp: ...")
 
 
 def test_the_table_ranks_the_layouts_that_fit_by_step_time_and_gives_the_best_command():
@@ -99,6 +102,9 @@ def test_the_table_ranks_the_layouts_that_fit_by_step_time_and_gives_the_best_co
     assert lines[0] == ("ddptrain plan --fit: 3 layouts planned on 64 ranks at global batch 256 in 12 s; 2 fit "
                         "--memory-per-rank 80")
     assert lines[2].startswith("  1. fsdp --tp 2, batch 4 x 1 ") and lines[3].startswith("  2. fsdp, checkpointed")
-    assert "do not fit:" in lines and any(line.startswith("  ddp, batch 4 x 1 ") for line in lines)
+    assert "do not fit:" in lines and any(line.startswith("  ddp, batch 4 x 1 ") and line.endswith(" a rank")
+                                          for line in lines)
+    found["tried"][0]["refusals"] = ["rank 63 has no training sample in an epoch: ..."]
+    assert "a rank (rank 63 has no training sample in an epoch: ...)" in format_fit(found, [])
     assert lines[-1] == ("best: ddptrain train --task gpt:task --optimizer adamw --strategy fsdp --tp 2 --batch-size 4 "
                          "--grad-accum 1")

@@ -6,8 +6,9 @@ fsdp and hsdp (each that divides a node's ranks, where the task names layers to 
 checkpointing or not, and the batch per rank x accumulation that keeps the job's global batch.
 For each strategy and degree the plans go from the cheapest layout to the most frugal: without
 activation checkpointing at 1x, 2x and 4x the accumulation up to the first that fits, then with it
-at less accumulation than that one (more accumulation, or recomputing at as much, only adds time). The layouts that
-fit are ranked by the plan's step time; the first one's `ddptrain train` flags are printed.
+at less accumulation than that one (more accumulation, or recomputing at as much, only adds
+time). The layouts that fit are ranked by the plan's step time; the first one's `ddptrain train`
+flags are printed.
 """
 
 from __future__ import annotations
@@ -151,7 +152,10 @@ def _try(cfg: RunConfig, factory: Any, target: Target, ranks: list[int], hw: Har
 
 def none_fits(found: dict[str, Any]) -> str:
     """The one line that says no layout fits, and what would: the most frugal layout tried, by how
-    much it is over, and which part of its peak a change shrinks."""
+    much it is over, and which part of its peak a change shrinks (or, where no layout could be
+    planned at all, why the first could not)."""
+    if not found["tried"]:
+        return f"no layout of the job could be planned: {found['left_out'][0]}"
     frugal = min(found["tried"], key=lambda t: t["peak_bytes"])
     layout = Layout(**{f.name: frugal[f.name] for f in dataclasses.fields(Layout)})
     over = frugal["peak_bytes"] / 1e9 - (found["memory_per_rank_gb"] or 0)
@@ -180,11 +184,18 @@ def format_fit(found: dict[str, Any], task_flags: list[str]) -> str:
     misses = [t for t in found["tried"] if not t["fits"]]
     if misses:
         lines += ["", "do not fit:"]
-        lines += [f"  {_name(t):43s} peak {size(t['peak_bytes']):>9s} a rank" for t in misses]
+        lines += [f"  {_name(t):43s} peak {size(t['peak_bytes']):>9s} a rank{_not_memory(t)}" for t in misses]
     lines += [f"left out: {why}" for why in found["left_out"]]
     if found["fitting"]:
         lines += ["", "best: ddptrain train " + " ".join([*task_flags, *found["fitting"][0]["flags"]])]
     return "\n".join(lines)
+
+
+def _not_memory(t: dict[str, Any]) -> str:
+    """Why a layout within the memory does not fit (its plan's first refusal), else nothing."""
+    if any("--memory-per-rank" in line for line in t["refusals"]):
+        return ""
+    return f" ({t['refusals'][0]})" if t["refusals"] else ""
 
 
 def _name(t: dict[str, Any]) -> str:
